@@ -1,0 +1,14 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="tfmp",
+    version="0.1.0",
+    description="Model parallelism for Keras 3 on TensorFlow, backed by DTensor.",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["tfmp", "tfmp.*"]),
+    python_requires=">=3.10",
+    install_requires=["tensorflow>=2.20,<2.22", "keras>=3.10", "numpy"],
+    extras_require={"test": ["pytest>=7", "h5py"]},
+    entry_points={"console_scripts": ["tfmp=tfmp.cli:main"]},
+)

@@ -1,0 +1,112 @@
+"""Models, data and the single-device reference runs that parity tests compare to."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+import tfmp
+from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
+
+MESH_SHAPES = [(1, 1), (8, 1), (2, 4), (1, 8)]
+SEED = 7
+
+
+def mesh(shape, axis_names=("batch", "model")) -> tfmp.DeviceMesh:
+    return tfmp.DeviceMesh(shape, axis_names)
+
+
+def build_mlp() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu", name="up"),
+            keras.layers.Dense(8, name="down"),
+        ],
+        name="mlp",
+    )
+
+
+def mlp_layout_map(device_mesh: tfmp.DeviceMesh) -> tfmp.LayoutMap:
+    layout_map = tfmp.LayoutMap(device_mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["up/bias"] = ("model",)
+    layout_map["down/kernel"] = ("model", None)
+    return layout_map
+
+
+def mlp_data(n: int = 64, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = rng.normal(size=(n, 8)).astype("float32")
+    return x, y
+
+
+def compile_mlp(model: keras.Model) -> keras.Model:
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def lm_data(n: int = 64):
+    return next_token_data(n, seq_len=8, vocab_size=64, seed=1)
+
+
+def compile_lm(model: keras.Model) -> keras.Model:
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+MODELS = {
+    "mlp": (build_mlp, mlp_layout_map, compile_mlp, mlp_data),
+    "transformer": (build_transformer_lm, megatron_layout_map, compile_lm, lm_data),
+}
+
+
+class BatchLosses(keras.callbacks.Callback):
+    """Records the loss Keras logs after every training batch."""
+
+    def on_train_begin(self, logs=None):
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def initial_weights(build) -> list[np.ndarray]:
+    keras.utils.set_random_seed(SEED)
+    return build().get_weights()
+
+
+def train(model, x, y, **fit_kwargs):
+    """Fits without shuffling; returns per-batch losses and the History."""
+    recorder = BatchLosses()
+    fit_kwargs.setdefault("batch_size", 16)
+    history = model.fit(
+        x, y, shuffle=False, verbose=0, callbacks=[recorder], **fit_kwargs
+    )
+    return recorder.losses, history
+
+
+def build_on(strategy, name, weights):
+    """Builds and compiles model `name` in the strategy's scope (None: no strategy)."""
+    build, _, compile_fn, _ = MODELS[name]
+    if strategy is None:
+        model = build()
+        model.set_weights(weights)
+        return compile_fn(model)
+    with strategy.scope():
+        model = build()
+        model.set_weights(weights)
+        return compile_fn(model)
+
+
+def assert_weights_close(expected, actual, rtol=1e-5, atol=1e-5):
+    """Equal within 1e-5; `atol` covers weights whose exact gradient is zero
+    (the attention key bias), which move only by float noise."""
+    assert len(expected) == len(actual)
+    for want, got in zip(expected, actual):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)

@@ -1,0 +1,30 @@
+"""tfmp: model parallelism for Keras 3 on TensorFlow, backed by DTensor.
+
+Example:
+
+>>> import tfmp
+>>> tfmp.simulate_devices(8)  # doctest: +SKIP
+>>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+>>> strategy = tfmp.ModelParallelStrategy(mesh, tfmp.LayoutMap(mesh))
+"""
+
+from tfmp._env import configure_dtensor_environment
+
+configure_dtensor_environment()
+
+from tfmp.devices import list_devices, simulate_devices  # noqa: E402
+from tfmp.inspect.summary import summary  # noqa: E402
+from tfmp.layout import LayoutMap  # noqa: E402
+from tfmp.mesh import DeviceMesh  # noqa: E402
+from tfmp.strategy import ModelParallelStrategy  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceMesh",
+    "LayoutMap",
+    "ModelParallelStrategy",
+    "list_devices",
+    "simulate_devices",
+    "summary",
+]

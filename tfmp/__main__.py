@@ -1,0 +1,5 @@
+import sys
+
+from tfmp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""Finding devices and splitting one physical device into several logical ones."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+_PREFERRED_TYPES = ("TPU", "GPU", "CPU")
+
+
+def simulate_devices(
+    n: int, device_type: str = "CPU", memory_limit_mb: int | None = None
+) -> list[str]:
+    """Splits the first physical device of a type into `n` logical devices.
+
+    This lets every mesh shape up to `n` devices run on one machine: a laptop CPU
+    or one GPU. It must be called before TensorFlow initializes its devices, that
+    is before any tensor is created or any Keras model is built.
+
+    Args:
+        n: Number of logical devices to create.
+        device_type: `"CPU"` or `"GPU"`.
+        memory_limit_mb: Memory of each logical GPU in MiB (GPU only; defaults
+            to 1024).
+
+    Returns:
+        The names of the logical devices of that type.
+
+    Raises:
+        RuntimeError: If TensorFlow has already initialized its devices with a
+            different split.
+        ValueError: For a bad `n` or `device_type`.
+
+    Example:
+
+    >>> import tfmp
+    >>> tfmp.simulate_devices(8)  # doctest: +SKIP
+    ['/device:CPU:0', ..., '/device:CPU:7']
+    """
+    device_type = device_type.upper()
+    if device_type not in ("CPU", "GPU"):
+        raise ValueError(
+            f"simulate_devices(device_type={device_type!r}) is not supported: "
+            "use 'CPU' or 'GPU'."
+        )
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"simulate_devices(n={n!r}): n must be a positive integer.")
+    physical = tf.config.list_physical_devices(device_type)
+    if not physical:
+        raise ValueError(
+            f"simulate_devices(device_type={device_type!r}): this machine has no "
+            f"{device_type}. Use device_type='CPU'."
+        )
+    current = tf.config.get_logical_device_configuration(physical[0]) or []
+    if len(current) == n:
+        return _logical_names(device_type)
+    if device_type == "GPU":
+        limit = memory_limit_mb or 1024
+        configs = [tf.config.LogicalDeviceConfiguration(memory_limit=limit)] * n
+    else:
+        configs = [tf.config.LogicalDeviceConfiguration()] * n
+    try:
+        tf.config.set_logical_device_configuration(physical[0], configs)
+    except RuntimeError as error:
+        have = len(tf.config.list_logical_devices(device_type))
+        raise RuntimeError(
+            f"tfmp.simulate_devices({n}) was called after TensorFlow had initialized "
+            f"its devices (it now has {have} logical {device_type} device(s), which "
+            "can no longer change). Call tfmp.simulate_devices() first in your "
+            "program, before creating any tensor, model or mesh."
+        ) from error
+    return _logical_names(device_type)
+
+
+def _logical_names(device_type: str) -> list[str]:
+    return [d.name for d in tf.config.list_logical_devices(device_type)]
+
+
+def list_devices(device_type: str | None = None) -> list[str]:
+    """Returns the logical devices of a type, or of the preferred type.
+
+    The preferred type is TPU, then GPU, then CPU: the first one present.
+
+    Args:
+        device_type: `"CPU"`, `"GPU"`, `"TPU"`, or `None` for the preferred type.
+
+    Returns:
+        Device names such as `"/device:CPU:0"`.
+    """
+    types = (device_type.upper(),) if device_type else _PREFERRED_TYPES
+    for kind in types:
+        names = _logical_names(kind)
+        if names:
+            return names
+    return []

@@ -1,0 +1,1 @@
+"""Read-only views of a parallel model: layouts, shard sizes, bytes per device."""

@@ -1,0 +1,187 @@
+"""Sharding as data: regex rules mapping variable paths to mesh axes."""
+
+from __future__ import annotations
+
+import collections.abc
+import re
+import warnings
+from typing import Any, Iterator, Sequence
+
+from tensorflow.experimental import dtensor
+
+from tfmp.mesh import DeviceMesh, as_device_mesh
+
+Axes = tuple  # one entry per tensor dimension: a mesh axis name or None
+
+
+class LayoutMap(collections.abc.MutableMapping):
+    """Maps variable paths to the mesh axes their dimensions are split over.
+
+    Keys are regular expressions matched with `re.search` against a Keras
+    variable's path (e.g. `"dense_1/kernel"`); values give, per dimension of
+    the variable, the mesh axis that dimension is split over, or `None` to keep
+    it whole. Variables no rule matches are replicated. As
+    `keras.distribution.LayoutMap`, of which an instance is accepted wherever a
+    `LayoutMap` is.
+
+    Args:
+        mesh: The `tfmp.DeviceMesh` (or Keras `DeviceMesh`) the axes refer to.
+
+    Example:
+
+    >>> import tfmp
+    >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))  # doctest: +SKIP
+    >>> layout_map = tfmp.LayoutMap(mesh)  # doctest: +SKIP
+    >>> layout_map["dense_1/kernel"] = (None, "model")  # column-parallel
+    >>> layout_map["dense_2/kernel"] = ("model", None)  # row-parallel
+    """
+
+    def __init__(self, mesh: Any):
+        self._mesh = as_device_mesh(mesh)
+        self._rules: dict[str, Axes] = {}
+        self._matched: set[str] = set()
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._mesh
+
+    mesh = device_mesh
+
+    def __setitem__(self, key: str, axes: Any) -> None:
+        if not isinstance(key, str):
+            raise TypeError(f"LayoutMap keys are regex strings, got {key!r}.")
+        axes = _as_axes(axes)
+        for axis in axes:
+            if axis is not None:
+                self._mesh.check_axis(axis, what=f"LayoutMap[{key!r}] axis")
+        repeated = {a for a in axes if a is not None and axes.count(a) > 1}
+        if repeated:
+            raise ValueError(
+                f"LayoutMap[{key!r}] = {axes} splits two dimensions over the same "
+                f"mesh axis {sorted(repeated)}; use each mesh axis at most once."
+            )
+        self._rules[key] = axes
+
+    def __getitem__(self, path: str) -> Axes | None:
+        """Returns the axes for a variable path, or None when no rule matches."""
+        match = self.match(path)
+        return None if match is None else match[1]
+
+    def match(self, path: str) -> tuple[str, Axes] | None:
+        """Returns `(key, axes)` of the rule matching `path`, or None.
+
+        An exact key wins; otherwise exactly one regex may match.
+        """
+        if path in self._rules:
+            keys = [path]
+        else:
+            keys = [key for key in self._rules if re.search(key, path)]
+        if len(keys) > 1:
+            raise ValueError(
+                f"Variable path {path!r} matches several LayoutMap keys {keys}; "
+                "make the keys specific enough that one matches."
+            )
+        if not keys:
+            return None
+        self._matched.add(keys[0])
+        return keys[0], self._rules[keys[0]]
+
+    def unmatched_keys(self) -> list[str]:
+        """Keys that have matched no variable path so far."""
+        return [key for key in self._rules if key not in self._matched]
+
+    def __delitem__(self, key: str) -> None:
+        del self._rules[key]
+        self._matched.discard(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def __repr__(self) -> str:
+        rules = "".join(f"\n  {key!r}: {axes}," for key, axes in self._rules.items())
+        return f"LayoutMap({self._mesh!r}, {{{rules}\n}})"
+
+
+def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
+    """Returns a tfmp `LayoutMap` over `mesh` for a tfmp/Keras map, dict or None."""
+    converted = LayoutMap(mesh)
+    if layout_map is None:
+        return converted
+    if isinstance(layout_map, LayoutMap):
+        if layout_map.mesh.axis_names != mesh.axis_names:
+            raise ValueError(
+                f"The LayoutMap's mesh axes {layout_map.mesh.axis_names} differ from "
+                f"the strategy's mesh axes {mesh.axis_names}; build the LayoutMap "
+                "on the strategy's mesh."
+            )
+        converted._matched = layout_map._matched  # share what has matched
+    items = layout_map.items() if hasattr(layout_map, "items") else None
+    if items is None:
+        raise TypeError(
+            f"layout_map must be a tfmp.LayoutMap, keras.distribution.LayoutMap or "
+            f"dict, got {type(layout_map).__name__}."
+        )
+    for key, axes in items:
+        converted[key] = axes
+    return converted
+
+
+def _as_axes(axes: Any) -> Axes:
+    axes = getattr(axes, "axes", axes)  # keras.distribution.TensorLayout
+    if isinstance(axes, str) or not isinstance(axes, Sequence):
+        raise TypeError(
+            f"A layout is a tuple with one mesh axis name or None per dimension, "
+            f"such as (None, 'model'); got {axes!r}."
+        )
+    for axis in axes:
+        if axis is not None and not isinstance(axis, str):
+            raise TypeError(
+                f"Layout {tuple(axes)} holds {axis!r}: each entry must be a mesh "
+                "axis name or None."
+            )
+    return tuple(axes)
+
+
+def axes_to_layout(
+    axes: Axes, mesh: DeviceMesh, shape: Sequence[int], path: str, rule: str | None
+) -> dtensor.Layout:
+    """Builds the DTensor layout for one variable, checking the axes against it.
+
+    A dimension whose size does not divide by its mesh axis is kept whole, with
+    a warning naming the variable.
+    """
+    shape = tuple(shape)
+    source = f"LayoutMap rule {rule!r}" if rule else "its layout"
+    if len(axes) != len(shape):
+        raise ValueError(
+            f"Layout {axes} for variable {path!r} has {len(axes)} entries but the "
+            f"variable has shape {shape} (rank {len(shape)}). Fix {source} to give "
+            f"one mesh axis or None per dimension."
+        )
+    specs = []
+    for dim, (axis, size) in enumerate(zip(axes, shape)):
+        if axis is None:
+            specs.append(dtensor.UNSHARDED)
+            continue
+        mesh.check_axis(axis, what=f"Mesh axis of variable {path!r} ({source})")
+        parts = mesh.axis_size(axis)
+        if size % parts:
+            warnings.warn(
+                f"tfmp: variable {path!r} dimension {dim} has size {size}, which does "
+                f"not divide by mesh axis {axis!r} of size {parts}; that dimension is "
+                f"replicated instead of split. Change {source} or make the size a "
+                f"multiple of {parts}.",
+                stacklevel=2,
+            )
+            specs.append(dtensor.UNSHARDED)
+        else:
+            specs.append(axis)
+    return dtensor.Layout(specs, mesh.dtensor_mesh)
+
+
+def layout_axes(layout: dtensor.Layout) -> Axes:
+    """The mesh axis (or None) of each dimension of a DTensor layout."""
+    return tuple(None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs)

@@ -1,0 +1,6 @@
+"""The DTensor-backed `tf.distribute.Strategy` and its parts."""
+
+from tfmp.strategy.strategy import ModelParallelStrategy
+from tfmp.strategy.variable import ShardedVariable
+
+__all__ = ["ModelParallelStrategy", "ShardedVariable"]

@@ -1,0 +1,109 @@
+"""Eager use of a model on host data: `model(x)` and `*_on_batch`.
+
+Keras hands these numpy arrays or host tensors, which DTensor refuses to mix
+with mesh variables. tfmp wraps `Layer.__call__` and the `*_on_batch` methods
+once so that, for a model whose variables live on a tfmp mesh, host inputs are
+packed onto the mesh (split over the batch axis) and eager outputs come back
+whole. Anything else passes through untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.trainers.data_adapters import data_adapter_utils
+from tensorflow.experimental import dtensor
+
+from tfmp.strategy.extended import ModelParallelExtended
+from tfmp.strategy.placement import BatchPlacer, replicate
+from tfmp.strategy.variable import ShardedVariable
+
+_installed = False
+_state = threading.local()
+
+
+def install() -> None:
+    """Wraps the Keras entry points once per process."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    keras.layers.Layer.__call__ = _eager_call(keras.layers.Layer.__call__)
+    for name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
+        setattr(TensorFlowTrainer, name, _on_batch(getattr(TensorFlowTrainer, name)))
+
+
+def placer_for(layer: Any) -> BatchPlacer | None:
+    """The batch placer of the tfmp mesh `layer` runs on, or None."""
+    for strategy in (tf.distribute.get_strategy(), getattr(layer, "_distribute_strategy", None)):
+        if isinstance(getattr(strategy, "extended", None), ModelParallelExtended):
+            return strategy.extended.placer
+    for weight in layer.weights[:1]:
+        variable = getattr(weight, "value", weight)
+        if isinstance(variable, ShardedVariable):
+            return variable.placer
+    return None
+
+
+def _has_host_array(structure: Any) -> bool:
+    for value in tf.nest.flatten(structure):
+        if isinstance(value, keras.KerasTensor):
+            return False
+        if isinstance(value, tf.Tensor) and not dtensor.is_dtensor(value):
+            return True
+        if hasattr(value, "__array__") and not isinstance(value, tf.Tensor):
+            return True
+    return False
+
+
+def _eager_call(layer_call: Callable) -> Callable:
+    @functools.wraps(layer_call)
+    def __call__(self, *args, **kwargs):
+        if (
+            not tf.executing_eagerly()
+            or getattr(_state, "inside", False)
+            or not _has_host_array((args, kwargs))
+        ):
+            return layer_call(self, *args, **kwargs)
+        placer = placer_for(self)
+        if placer is None:
+            return layer_call(self, *args, **kwargs)
+        _state.inside = True
+        try:
+            args, kwargs = placer.place((args, kwargs))
+            outputs = layer_call(self, *args, **kwargs)
+        finally:
+            _state.inside = False
+        return tf.nest.map_structure(
+            lambda t: replicate(t) if isinstance(t, tf.Tensor) else t, outputs
+        )
+
+    return __call__
+
+
+def _on_batch(method: Callable) -> Callable:
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        placer = placer_for(self)
+        if placer is None:
+            return method(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        data = bound.arguments
+        if data.get("class_weight") is not None and data.get("sample_weight") is None:
+            data["sample_weight"] = data_adapter_utils.class_weight_to_sample_weights(
+                data["y"], data.pop("class_weight")
+            )
+        for name in ("x", "y", "sample_weight"):
+            if name in data:
+                data[name] = placer.place(data[name])
+        return method(*bound.args, **bound.kwargs)
+
+    return wrapper

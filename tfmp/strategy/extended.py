@@ -1,0 +1,184 @@
+"""The strategy's internals: variable creation, running steps, updates, input."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+from tensorflow.python.distribute import distribute_lib
+
+from tfmp.layout import LayoutMap, axes_to_layout
+from tfmp.mesh import DeviceMesh
+from tfmp.strategy.input import MeshDataset
+from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
+from tfmp.strategy.replica_context import GlobalReplicaContext
+from tfmp.strategy.variable import ShardedVariable
+
+# Keyword arguments of tf.Variable creation that a DVariable does not take.
+_DROPPED_VARIABLE_KWARGS = ("use_resource", "expected_shape", "caching_device")
+
+
+class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
+    """`strategy.extended` of `ModelParallelStrategy`."""
+
+    def __init__(
+        self,
+        container_strategy: tf.distribute.Strategy,
+        mesh: DeviceMesh,
+        layout_map: LayoutMap,
+        batch_axis: str | None,
+    ):
+        super().__init__(container_strategy)
+        self.mesh = mesh
+        self.layout_map = layout_map
+        self.placer = BatchPlacer(mesh.dtensor_mesh, batch_axis)
+        self._checked_layout_map = False
+
+    # Variables -------------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        del next_creator  # the strategy's variables are never plain variables
+        for key in _DROPPED_VARIABLE_KWARGS:
+            kwargs.pop(key, None)
+        colocate_with = kwargs.pop("colocate_with", None)
+        initial_value = kwargs.pop("initial_value")
+        dtype = kwargs.get("dtype")
+        path = variable_path(kwargs.get("name"))
+
+        def initial_value_on_mesh():
+            # Computed on the host so that each device only ever holds its shard.
+            with tf.device("CPU:0"):
+                value = initial_value() if callable(initial_value) else initial_value
+                value = tf.convert_to_tensor(value, dtype=dtype)
+            return to_layout(value, self._layout_for(path, value.shape, colocate_with))
+
+        with dtensor.default_mesh(self.mesh.dtensor_mesh):
+            variable = ShardedVariable(initial_value_on_mesh, path=path, **kwargs)
+        variable.placer = self.placer
+        return variable
+
+    def _layout_for(
+        self, path: str, shape: tf.TensorShape, colocate_with: Any
+    ) -> dtensor.Layout:
+        # Optimizer slots are created colocated with their variable: same layout.
+        reference = getattr(colocate_with, "layout", None)
+        if reference is not None and tuple(colocate_with.shape) == tuple(shape):
+            return reference
+        match = self.layout_map.match(path)
+        if match is None:
+            return dtensor.Layout.replicated(self.mesh.dtensor_mesh, shape.rank)
+        rule, axes = match
+        return axes_to_layout(axes, self.mesh, shape, path, rule)
+
+    def _validate_colocate_with_variable(self, colocate_with_variable: Any) -> None:
+        pass
+
+    # Running steps ---------------------------------------------------------
+
+    @property
+    def _num_replicas_in_sync(self) -> int:
+        return 1
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        return tuple(self.mesh.dtensor_mesh.local_devices())
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return self.worker_devices
+
+    def _in_multi_worker_mode(self) -> bool:
+        return dtensor.num_clients() > 1
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group
+
+    def _default_device_scope(self):
+        return dtensor.default_mesh(self.mesh.dtensor_mesh)
+
+    def _use_merge_call(self) -> bool:
+        return False
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        distribute_lib._require_cross_replica_or_default_context_extended(self)  # noqa: SLF001
+        kwargs = kwargs or {}
+        if tf.executing_eagerly():
+            self.warn_unmatched_layout_rules()
+            args, kwargs = self.placer.place((args, kwargs))
+        with GlobalReplicaContext(self._container_strategy()):
+            outputs = fn(*args, **kwargs)
+        # Outputs leave the step replicated so that callers can read them.
+        return tf.nest.map_structure(self._replicated_output, outputs)
+
+    def _replicated_output(self, value: Any) -> Any:
+        if isinstance(value, tf.Tensor):
+            return replicate(value, self.mesh.dtensor_mesh)
+        return value
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        del reduce_op, destinations, options  # one global replica: already reduced
+        return value
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        return [value for value, _ in value_destination_pairs]
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        return value
+
+    def _local_results(self, value):
+        return (value,)
+
+    def value_container(self, value):
+        return value
+
+    def _update(self, var, fn, args, kwargs, group):
+        return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
+
+    def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
+        del colocate_with
+        result = fn(*args, **kwargs)
+        return result if group else tf.nest.map_structure(self._local_results, result)
+
+    # Input -----------------------------------------------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        del options
+        self.warn_unmatched_layout_rules()
+        return MeshDataset(dataset, self.placer)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        del options
+        context = tf.distribute.InputContext(
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
+        )
+        return self._experimental_distribute_dataset(dataset_fn(context), None)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        return self.placer.place(
+            value_fn(tf.distribute.experimental.ValueContext(0, 1))
+        )
+
+    def warn_unmatched_layout_rules(self) -> None:
+        """Warns once, at the first step, about LayoutMap rules that matched nothing."""
+        if self._checked_layout_map:
+            return
+        self._checked_layout_map = True
+        unmatched = self.layout_map.unmatched_keys()
+        if unmatched:
+            warnings.warn(
+                f"tfmp: LayoutMap keys {unmatched} matched no variable, so nothing "
+                "they describe is sharded. Check them against the variable paths "
+                "that tfmp.summary(model) lists (a renamed layer changes its path).",
+                stacklevel=3,
+            )
+
+
+def variable_path(name: str | None) -> str:
+    """The Keras path (`"block_1/dense/kernel"`) of a variable being created."""
+    from keras.src.backend.common.name_scope import current_path
+
+    name = (name or "Variable").split(":")[0]
+    parent = current_path() or tf.get_current_name_scope().rstrip("/")
+    return f"{parent}/{name}" if parent else name

@@ -1,0 +1,74 @@
+"""Feeding `tf.data` batches to the mesh, one host batch at a time."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import tensorflow as tf
+
+from tfmp.strategy.placement import BatchPlacer
+
+
+class MeshDataset:
+    """A dataset whose batches arrive on the mesh, split over the batch axis.
+
+    What `ModelParallelStrategy.experimental_distribute_dataset` returns. Each
+    batch is read on the host and packed onto the mesh, so any batch size and a
+    partial last batch work (DTensor's own dataset drops the remainder). Its
+    iterator is a plain Python iterator, which makes Keras run one step function
+    call per batch rather than a `tf.while_loop` over an iterator (whose
+    optionals DTensor cannot lay out).
+
+    Args:
+        dataset: A batched `tf.data.Dataset`.
+        placer: Packs each batch onto the mesh.
+    """
+
+    def __init__(self, dataset: tf.data.Dataset, placer: BatchPlacer):
+        self._dataset = dataset
+        self._placer = placer
+
+    @property
+    def element_spec(self) -> Any:
+        return self._dataset.element_spec
+
+    def __iter__(self) -> "MeshIterator":
+        cardinality = int(self._dataset.cardinality())
+        return MeshIterator(
+            iter(self._dataset), self._placer, cardinality != tf.data.UNKNOWN_CARDINALITY
+        )
+
+
+class MeshIterator:
+    """Iterator over a `MeshDataset`; looks one batch ahead to know the last one."""
+
+    def __init__(
+        self, host_iterator: Iterator, placer: BatchPlacer, known_length: bool
+    ):
+        self._host_iterator = host_iterator
+        self._placer = placer
+        self._known_length = known_length
+        self._next = self._pull()
+
+    def _pull(self) -> Any:
+        try:
+            return next(self._host_iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            return None
+
+    def __iter__(self) -> "MeshIterator":
+        return self
+
+    def __next__(self) -> Any:
+        batch = self._next
+        if batch is None:
+            if self._known_length:
+                raise StopIteration
+            # Keras stops an epoch of unknown length on OutOfRangeError; a plain
+            # StopIteration inside its step loop would leave it without outputs.
+            raise tf.errors.OutOfRangeError(None, None, "End of dataset.")
+        self._next = self._pull()
+        return self._placer.place(batch, is_last_batch=self._next is None)
+
+    def get_next(self) -> Any:
+        return next(self)

@@ -1,0 +1,131 @@
+"""Moving host values onto the mesh with a layout, and sharded values off it."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+
+def to_layout(value: Any, layout: dtensor.Layout) -> tf.Tensor:
+    """Returns `value` as a DTensor with `layout`.
+
+    Host values are sliced on the host and each device receives only its shard;
+    DTensors on the same mesh are relayouted; DTensors on another mesh go
+    through the host.
+    """
+    if dtensor.is_dtensor(value):
+        current = dtensor.fetch_layout(value)
+        if current == layout:
+            return value
+        if current.mesh == layout.mesh:
+            return dtensor.relayout(value, layout)
+        value = to_host(value)
+    value = tf.convert_to_tensor(value)
+    if layout.is_fully_replicated():
+        return dtensor.copy_to_mesh(value, layout)
+    shards = {}
+    components = []
+    for location in layout.mesh.local_device_locations():
+        index = tuple(
+            _shard_slice(value.shape[dim], layout.mesh, spec, location)
+            for dim, spec in enumerate(layout.sharding_specs)
+        )
+        key = tuple((part.start, part.stop) for part in index)
+        if key not in shards:
+            with tf.device(value.device):  # slice on the host, not on the mesh
+                shards[key] = value[index]
+        components.append(shards[key])
+    return dtensor.pack(components, layout)
+
+
+def _shard_slice(size: int, mesh: dtensor.Mesh, spec: str, location: dict) -> slice:
+    if spec == dtensor.UNSHARDED:
+        return slice(None)
+    step = size // mesh.dim_size(spec)
+    start = location[spec] * step
+    return slice(start, start + step)
+
+
+def replicate(value: tf.Tensor, mesh: dtensor.Mesh | None = None) -> tf.Tensor:
+    """Relayouts a sharded DTensor to replicated.
+
+    Inside a function, where layouts are not known until DTensor expands it,
+    `mesh` says which mesh the value lives on.
+    """
+    rank = value.shape.rank
+    if rank is None:
+        return value
+    if tf.executing_eagerly():
+        if not dtensor.is_dtensor(value):
+            return value
+        layout = dtensor.fetch_layout(value)
+        if layout.is_fully_replicated():
+            return value
+        return dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, rank))
+    if mesh is None:
+        return value
+    return dtensor.relayout(value, dtensor.Layout.replicated(mesh, rank))
+
+
+def to_host(value: tf.Tensor) -> tf.Tensor:
+    """Returns the full value of a DTensor as a regular tensor."""
+    if not dtensor.is_dtensor(value):
+        return value
+    return dtensor.unpack(replicate(value))[0]
+
+
+class BatchPlacer:
+    """Packs host input batches onto a mesh, split over its batch axis.
+
+    A batch whose size does not divide by the batch axis is replicated over it:
+    every device of that axis computes the whole batch, which gives exactly the
+    single-device result for a partial last batch. When whole batches do not
+    divide, a warning says that data parallelism is lost and how to fix it.
+
+    Args:
+        mesh: The DTensor mesh.
+        batch_axis: Name of the mesh axis that splits the batch, or None.
+    """
+
+    def __init__(self, mesh: dtensor.Mesh, batch_axis: str | None):
+        self.mesh = mesh
+        self.batch_axis = batch_axis
+        self.batch_parts = mesh.dim_size(batch_axis) if batch_axis else 1
+        self._warned = False
+
+    def place(self, structure: Any, is_last_batch: bool = True) -> Any:
+        """Packs every host tensor or array in `structure` onto the mesh."""
+        return tf.nest.map_structure(
+            lambda x: self.place_tensor(x, is_last_batch), structure
+        )
+
+    def place_tensor(self, value: Any, is_last_batch: bool = True) -> Any:
+        if value is None or dtensor.is_dtensor(value) or not _is_array(value):
+            return value
+        value = tf.convert_to_tensor(value)
+        return to_layout(value, self.layout_for(value.shape, is_last_batch))
+
+    def layout_for(self, shape: tf.TensorShape, is_last_batch: bool = True):
+        rank = shape.rank
+        if rank == 0 or self.batch_parts == 1:
+            return dtensor.Layout.replicated(self.mesh, rank)
+        if shape[0] % self.batch_parts:
+            if not is_last_batch and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"tfmp: batch size {shape[0]} does not divide by mesh axis "
+                    f"{self.batch_axis!r} of size {self.batch_parts}, so such batches "
+                    f"run whole on every device of that axis (exact, but without data "
+                    f"parallelism). Use a batch size that is a multiple of "
+                    f"{self.batch_parts}.",
+                    stacklevel=3,
+                )
+            return dtensor.Layout.replicated(self.mesh, rank)
+        return dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank)
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (tf.Tensor, tf.Variable)) or hasattr(value, "__array__")

@@ -1,0 +1,45 @@
+"""The variable class of the strategy: a DTensor variable that takes host values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfmp.strategy.placement import replicate, to_layout
+
+
+class ShardedVariable(dtensor.DVariable):
+    """A `DVariable` whose shards live on the mesh devices its layout names.
+
+    Assigning a host value (numpy, a regular tensor, a checkpoint value, or a
+    DTensor of another layout or mesh) moves it to the variable's layout, so
+    `set_weights`, `load_weights` and loading onto a different mesh work. Reading
+    it to numpy gathers the shards.
+    """
+
+    def __init__(self, initial_value: Any, *args, path: str = "", **kwargs):
+        super().__init__(initial_value, *args, **kwargs)
+        self.path = path or self.name
+
+    def _on_mesh(self, value: Any) -> Any:
+        if tf.executing_eagerly():
+            return to_layout(tf.convert_to_tensor(value, dtype=self.dtype), self.layout)
+        return value
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return super().assign(self._on_mesh(value), use_locking, name, read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return super().assign_add(self._on_mesh(delta), use_locking, name, read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return super().assign_sub(self._on_mesh(delta), use_locking, name, read_value)
+
+    def numpy(self) -> np.ndarray:
+        return replicate(self.read_value()).numpy()
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.numpy(), dtype=dtype)
