@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 import numpy as np
 
 import tfmp
@@ -94,11 +95,7 @@ def train(model, x, y, **fit_kwargs):
 def build_on(strategy, name, weights):
     """Builds and compiles model `name` in the strategy's scope (None: no strategy)."""
     build, _, compile_fn, _ = MODELS[name]
-    if strategy is None:
-        model = build()
-        model.set_weights(weights)
-        return compile_fn(model)
-    with strategy.scope():
+    with (strategy or tf.distribute.get_strategy()).scope():
         model = build()
         model.set_weights(weights)
         return compile_fn(model)

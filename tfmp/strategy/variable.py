@@ -41,5 +41,6 @@ class ShardedVariable(dtensor.DVariable):
     def numpy(self) -> np.ndarray:
         return replicate(self.read_value()).numpy()
 
-    def __array__(self, dtype=None):
+    def __array__(self, dtype=None, copy=None):
+        del copy  # numpy() already returns a fresh host copy
         return np.asarray(self.numpy(), dtype=dtype)

@@ -1,0 +1,180 @@
+"""Every way a Keras user feeds and drives a model works on the mesh, exactly."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from helpers import (
+    BatchLosses,
+    assert_weights_close,
+    build_on,
+    initial_weights,
+    mesh,
+    mlp_data,
+    mlp_layout_map,
+    build_mlp,
+)
+
+WEIGHTS = initial_weights(build_mlp)
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    device_mesh = mesh((2, 4))
+    return tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
+
+
+def pair(strategy):
+    """The MLP on one device and on the mesh, from the same weights."""
+    return build_on(None, "mlp", WEIGHTS), build_on(strategy, "mlp", WEIGHTS)
+
+
+def fit_both(strategy, fit_kwargs, data_for=lambda model: {}):
+    results = []
+    for model in pair(strategy):
+        recorder = BatchLosses()
+        history = model.fit(
+            verbose=0, callbacks=[recorder], **fit_kwargs, **data_for(model)
+        )
+        results.append((model, recorder.losses, history.history))
+    (ref, ref_losses, ref_history), (got, losses, history) = results
+    assert len(losses) == len(ref_losses) > 0
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert history.keys() == ref_history.keys()
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
+    assert_weights_close(ref.get_weights(), got.get_weights())
+    return ref, got
+
+
+def test_tf_data_with_validation_data_and_steps_per_execution(strategy):
+    x, y = mlp_data(96)
+    train = tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(16)
+    valid = tf.data.Dataset.from_tensor_slices((x[64:], y[64:])).batch(8)
+    ref, got = pair(strategy)
+    ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=3)
+    with strategy.scope():
+        got.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=3)
+    ref_history = ref.fit(train, validation_data=valid, epochs=2, verbose=0).history
+    history = got.fit(train, validation_data=valid, epochs=2, verbose=0).history
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
+    assert_weights_close(ref.get_weights(), got.get_weights())
+
+
+def test_numpy_with_validation_split_sample_weight(strategy):
+    x, y = mlp_data(80)
+    weights = np.linspace(0.1, 2.0, len(x)).astype("float32")
+    fit_both(
+        strategy,
+        dict(x=x, y=y, sample_weight=weights, validation_split=0.2, batch_size=16,
+             epochs=2, shuffle=False),
+    )
+
+
+def test_class_weight(strategy):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(48, 16)).astype("float32")
+    labels = rng.integers(0, 8, size=(48,))
+    ref, got = pair(strategy)
+
+    def compile_classifier(model):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+
+    compile_classifier(ref)
+    with strategy.scope():
+        compile_classifier(got)
+    class_weight = {i: 1.0 + i for i in range(8)}
+    histories = [
+        m.fit(x, labels, class_weight=class_weight, batch_size=16, epochs=2,
+              shuffle=False, verbose=0).history
+        for m in (ref, got)
+    ]
+    for key in histories[0]:
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-5)
+    assert_weights_close(ref.get_weights(), got.get_weights())
+    np.testing.assert_allclose(
+        got.train_on_batch(x[:16], labels[:16], class_weight=class_weight),
+        ref.train_on_batch(x[:16], labels[:16], class_weight=class_weight),
+        rtol=1e-5,
+    )
+
+
+def test_callbacks_see_logs_and_can_stop_training(strategy):
+    x, y = mlp_data(64)
+    _, got = pair(strategy)
+    stopper = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: setattr(got, "stop_training", epoch == 1)
+    )
+    seen = []
+    logger = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(logs["loss"])
+    )
+    history = got.fit(x, y, batch_size=16, epochs=5, callbacks=[stopper, logger], verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert len(seen) == 8 and all(np.isfinite(seen))
+
+
+def test_on_batch_methods_and_eager_call(strategy):
+    x, y = mlp_data(32)
+    ref, got = pair(strategy)
+    for _ in range(3):
+        np.testing.assert_allclose(
+            got.train_on_batch(x[:16], y[:16]), ref.train_on_batch(x[:16], y[:16]), rtol=1e-5
+        )
+    np.testing.assert_allclose(
+        got.test_on_batch(x, y), ref.test_on_batch(x, y), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        got.predict_on_batch(x), ref.predict_on_batch(x), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(got(x).numpy(), ref(x).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        got(tf.constant(x[:5])).numpy(), ref(x[:5]).numpy(), rtol=1e-5, atol=1e-6
+    )
+    assert_weights_close(ref.get_weights(), got.get_weights())
+
+
+def test_get_and_set_weights_round_trip(strategy):
+    _, got = pair(strategy)
+    rng = np.random.default_rng(5)
+    new = [rng.normal(size=w.shape).astype("float32") for w in WEIGHTS]
+    got.set_weights(new)
+    for want, have in zip(new, got.get_weights()):
+        np.testing.assert_array_equal(have, want)
+    kernel = got.get_layer("up").kernel
+    assert kernel.value.layout.sharding_specs == ["unsharded", "model"]
+
+
+def test_run_eagerly_matches(strategy):
+    x, y = mlp_data(48)
+    ref = build_on(None, "mlp", WEIGHTS)
+    with strategy.scope():
+        got = build_mlp()
+        got.set_weights(WEIGHTS)
+        got.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", run_eagerly=True)
+    ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    h_ref = ref.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+    h_got = got.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(h_got["loss"], h_ref["loss"], rtol=1e-5)
+    assert_weights_close(ref.get_weights(), got.get_weights())
+
+
+def test_keras_mesh_and_layout_map_are_accepted():
+    keras_mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("batch", "model"), [f"cpu:{i}" for i in range(8)]
+    )
+    keras_map = keras.distribution.LayoutMap(keras_mesh)
+    keras_map["up/kernel"] = (None, "model")
+    strategy = tfmp.ModelParallelStrategy(keras_mesh, keras_map)
+    assert strategy.mesh.shape == (2, 4)
+    with strategy.scope():
+        model = build_mlp()
+    assert model.get_layer("up").kernel.value.layout.sharding_specs == ["unsharded", "model"]
+    assert model.get_layer("down").kernel.value.layout.is_fully_replicated()

@@ -1,0 +1,73 @@
+"""Any dataset size and batch size gives single-device losses and predictions."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from helpers import build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map, train
+
+WEIGHTS = initial_weights(build_mlp)
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    device_mesh = mesh((8, 1))
+    return tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
+
+
+def run(strategy, n, batch_size):
+    x, y = mlp_data(n)
+    ref = build_on(None, "mlp", WEIGHTS)
+    got = build_on(strategy, "mlp", WEIGHTS)
+    ref_losses, ref_history = train(ref, x, y, batch_size=batch_size, epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, history = train(got, x, y, batch_size=batch_size, epochs=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        got.evaluate(x, y, batch_size=batch_size, verbose=0),
+        ref.evaluate(x, y, batch_size=batch_size, verbose=0),
+        rtol=1e-5,
+    )
+    predictions = got.predict(x, batch_size=batch_size, verbose=0)
+    assert predictions.shape == (n, 8)
+    np.testing.assert_allclose(
+        predictions, ref.predict(x, batch_size=batch_size, verbose=0), rtol=1e-5, atol=1e-5
+    )
+    return [str(w.message) for w in caught if "does not divide" in str(w.message)]
+
+
+def test_partial_last_batch_is_exact_and_silent(strategy):
+    # 70 = 4 * 16 + 6: the last batch of 6 does not divide by 8 devices.
+    assert run(strategy, n=70, batch_size=16) == []
+
+
+def test_batch_size_not_divisible_is_exact_and_warns(strategy):
+    messages = run(strategy, n=40, batch_size=10)
+    assert messages, "expected a warning that data parallelism is lost"
+    assert "batch size 10" in messages[0] and "multiple of 8" in messages[0]
+
+
+def test_dataset_of_unknown_length(strategy):
+    x, y = mlp_data(50)
+    known = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    unknown = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .filter(lambda a, b: tf.reduce_sum(a) > -1e9)
+        .batch(16)
+    )
+    assert int(unknown.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    # Single-device Keras on a dataset of unknown length takes extra optimizer
+    # steps after the first epoch (15 for 12 batches here), so the reference is
+    # the same batches with a known length.
+    ref = build_on(None, "mlp", WEIGHTS)
+    got = build_on(strategy, "mlp", WEIGHTS)
+    ref_history = ref.fit(known, epochs=3, verbose=0).history
+    history = got.fit(unknown, epochs=3, verbose=0).history
+    np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-5)
+    assert int(got.optimizer.iterations.numpy()) == 12
+    assert got.predict(unknown, verbose=0).shape == (50, 8)
