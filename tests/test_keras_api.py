@@ -178,3 +178,32 @@ def test_keras_mesh_and_layout_map_are_accepted():
         model = build_mlp()
     assert model.get_layer("up").kernel.value.layout.sharding_specs == ["unsharded", "model"]
     assert model.get_layer("down").kernel.value.layout.is_fully_replicated()
+
+
+def test_eager_call_of_a_causal_transformer():
+    from tfmp.demo import build_transformer_lm, megatron_layout_map
+
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, megatron_layout_map(device_mesh))
+    weights = initial_weights(build_transformer_lm)
+    reference = build_transformer_lm()
+    reference.set_weights(weights)
+    with strategy.scope():
+        model = build_transformer_lm()
+        model.set_weights(weights)
+    tokens = np.arange(32, dtype="int32").reshape(4, 8) % 64
+    np.testing.assert_allclose(
+        model(tokens).numpy(), reference(tokens).numpy(), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_model_built_lazily_during_fit_is_sharded(strategy):
+    x, y = mlp_data(32)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.layers.Dense(32, name="up"), keras.layers.Dense(8, name="down")]
+        )
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    assert model.get_layer("up").kernel.value.layout.sharding_specs == ["unsharded", "model"]
+    assert model.get_layer("down").kernel.value.layout.sharding_specs == ["model", "unsharded"]

@@ -20,7 +20,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from tfmp import demo as demo_lib
 
-        shape = tuple(int(size) for size in args.mesh.lower().split("x"))
+        try:
+            shape = tuple(int(size) for size in args.mesh.lower().split("x"))
+        except ValueError:
+            shape = ()
         if len(shape) != 2:
             parser.error(f"--mesh {args.mesh!r}: expected BATCHxMODEL such as 2x4")
         demo_lib.run(shape, epochs=args.epochs)

@@ -64,27 +64,30 @@ class LayoutMap(collections.abc.MutableMapping):
 
     def __getitem__(self, path: str) -> Axes | None:
         """Returns the axes for a variable path, or None when no rule matches."""
-        match = self.match(path)
-        return None if match is None else match[1]
+        key = self._find_key(path)
+        return None if key is None else self._rules[key]
 
     def match(self, path: str) -> tuple[str, Axes] | None:
-        """Returns `(key, axes)` of the rule matching `path`, or None.
+        """Returns `(key, axes)` of the rule for a variable, recording the use.
 
         An exact key wins; otherwise exactly one regex may match.
         """
+        key = self._find_key(path)
+        if key is None:
+            return None
+        self._matched.add(key)
+        return key, self._rules[key]
+
+    def _find_key(self, path: str) -> str | None:
         if path in self._rules:
-            keys = [path]
-        else:
-            keys = [key for key in self._rules if re.search(key, path)]
+            return path
+        keys = [key for key in self._rules if re.search(key, path)]
         if len(keys) > 1:
             raise ValueError(
                 f"Variable path {path!r} matches several LayoutMap keys {keys}; "
                 "make the keys specific enough that one matches."
             )
-        if not keys:
-            return None
-        self._matched.add(keys[0])
-        return keys[0], self._rules[keys[0]]
+        return keys[0] if keys else None
 
     def unmatched_keys(self) -> list[str]:
         """Keys that have matched no variable path so far."""
@@ -106,10 +109,10 @@ class LayoutMap(collections.abc.MutableMapping):
 
 
 def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
-    """Returns a tfmp `LayoutMap` over `mesh` for a tfmp/Keras map, dict or None."""
-    converted = LayoutMap(mesh)
-    if layout_map is None:
-        return converted
+    """Returns a tfmp `LayoutMap` over `mesh` for a tfmp/Keras map, dict or None.
+
+    A tfmp `LayoutMap` is used as is, so rules added to it later still apply.
+    """
     if isinstance(layout_map, LayoutMap):
         if layout_map.mesh.axis_names != mesh.axis_names:
             raise ValueError(
@@ -117,14 +120,16 @@ def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
                 f"the strategy's mesh axes {mesh.axis_names}; build the LayoutMap "
                 "on the strategy's mesh."
             )
-        converted._matched = layout_map._matched  # share what has matched
-    items = layout_map.items() if hasattr(layout_map, "items") else None
-    if items is None:
+        return layout_map
+    converted = LayoutMap(mesh)
+    if layout_map is None:
+        return converted
+    if not hasattr(layout_map, "items"):
         raise TypeError(
             f"layout_map must be a tfmp.LayoutMap, keras.distribution.LayoutMap or "
             f"dict, got {type(layout_map).__name__}."
         )
-    for key, axes in items:
+    for key, axes in layout_map.items():
         converted[key] = axes
     return converted
 

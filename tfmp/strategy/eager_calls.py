@@ -3,8 +3,9 @@
 Keras hands these numpy arrays or host tensors, which DTensor refuses to mix
 with mesh variables. tfmp wraps `Layer.__call__` and the `*_on_batch` methods
 once so that, for a model whose variables live on a tfmp mesh, host inputs are
-packed onto the mesh (split over the batch axis) and eager outputs come back
-whole. Anything else passes through untouched.
+packed onto the mesh (split over the batch axis), the call runs as a function
+on the mesh, and outputs come back whole. Anything else passes through
+untouched.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _eager_call(layer_call: Callable) -> Callable:
         _state.inside = True
         try:
             args, kwargs = placer.place((args, kwargs))
-            outputs = layer_call(self, *args, **kwargs)
+            outputs = _mesh_function(self, layer_call)(*args, **kwargs)
         finally:
             _state.inside = False
         return tf.nest.map_structure(
@@ -85,6 +86,23 @@ def _eager_call(layer_call: Callable) -> Callable:
         )
 
     return __call__
+
+
+def _mesh_function(layer: Any, layer_call: Callable) -> Callable:
+    """The layer's call as a function, traced once per input signature.
+
+    Layers make tensors of their own from host values (causal masks, position
+    ranges); eager DTensor refuses those next to mesh tensors, while inside a
+    function DTensor lays them out like any other value.
+    """
+    function = layer.__dict__.get("_tfmp_mesh_call")
+    if function is None:
+        function = tf.function(
+            functools.partial(layer_call, layer), reduce_retracing=True
+        )
+        # Set past Keras' attribute tracking: this is no part of the model.
+        object.__setattr__(layer, "_tfmp_mesh_call", function)
+    return function
 
 
 def _on_batch(method: Callable) -> Callable:

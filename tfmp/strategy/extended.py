@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
+
+import keras
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -15,6 +18,10 @@ from tfmp.strategy.input import MeshDataset
 from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
 from tfmp.strategy.variable import ShardedVariable
+
+# How far up the stack the Keras variable whose `tf.Variable` is being created
+# sits above the strategy's creator (a handful of frames in Keras 3).
+_KERAS_VARIABLE_FRAMES = 24
 
 # Keyword arguments of tf.Variable creation that a DVariable does not take.
 _DROPPED_VARIABLE_KWARGS = ("use_resource", "expected_shape", "caching_device")
@@ -176,9 +183,20 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
 
 
 def variable_path(name: str | None) -> str:
-    """The Keras path (`"block_1/dense/kernel"`) of a variable being created."""
-    from keras.src.backend.common.name_scope import current_path
+    """The Keras path (`"block_1/dense/kernel"`) of a variable being created.
 
+    Keras 3 variables know their path, also when their creation was deferred
+    past the name scope that built them; other variables take the current
+    name scope.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_KERAS_VARIABLE_FRAMES):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Variable):
+            return owner.path
+        frame = frame.f_back
     name = (name or "Variable").split(":")[0]
-    parent = current_path() or tf.get_current_name_scope().rstrip("/")
+    parent = tf.get_current_name_scope().rstrip("/")
     return f"{parent}/{name}" if parent else name

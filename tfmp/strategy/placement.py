@@ -26,27 +26,27 @@ def to_layout(value: Any, layout: dtensor.Layout) -> tf.Tensor:
     value = tf.convert_to_tensor(value)
     if layout.is_fully_replicated():
         return dtensor.copy_to_mesh(value, layout)
-    shards = {}
-    components = []
-    for location in layout.mesh.local_device_locations():
-        index = tuple(
-            _shard_slice(value.shape[dim], layout.mesh, spec, location)
-            for dim, spec in enumerate(layout.sharding_specs)
-        )
-        key = tuple((part.start, part.stop) for part in index)
-        if key not in shards:
-            with tf.device(value.device):  # slice on the host, not on the mesh
-                shards[key] = value[index]
-        components.append(shards[key])
+    mesh = layout.mesh
+    split_dims = [
+        (dim, spec)
+        for dim, spec in enumerate(layout.sharding_specs)
+        if spec != dtensor.UNSHARDED
+    ]
+    with tf.device(value.device):  # split on the host, not on the mesh
+        blocks = {(): value}
+        for dim, spec in split_dims:
+            blocks = {
+                key + (index,): piece
+                for key, block in blocks.items()
+                for index, piece in enumerate(
+                    tf.split(block, mesh.dim_size(spec), axis=dim)
+                )
+            }
+    components = [
+        blocks[tuple(location[spec] for _, spec in split_dims)]
+        for location in mesh.local_device_locations()
+    ]
     return dtensor.pack(components, layout)
-
-
-def _shard_slice(size: int, mesh: dtensor.Mesh, spec: str, location: dict) -> slice:
-    if spec == dtensor.UNSHARDED:
-        return slice(None)
-    step = size // mesh.dim_size(spec)
-    start = location[spec] * step
-    return slice(start, start + step)
 
 
 def replicate(value: tf.Tensor, mesh: dtensor.Mesh | None = None) -> tf.Tensor:

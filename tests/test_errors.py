@@ -1,0 +1,113 @@
+"""Bad input gets an error (or warning) that names the value and the fix."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfmp
+from helpers import build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map, train
+
+
+def test_simulate_devices_after_start_says_how_to_fix():
+    assert len(tfmp.simulate_devices(8)) == 8  # same split again: fine
+    with pytest.raises(RuntimeError, match=r"simulate_devices\(4\).*after TensorFlow.*first"):
+        tfmp.simulate_devices(4)
+    with pytest.raises(ValueError, match="positive integer"):
+        tfmp.simulate_devices(0)
+
+
+def test_mesh_device_count_must_match_shape():
+    with pytest.raises(ValueError, match=r"holds 8 devices but 2 were given"):
+        tfmp.DeviceMesh((2, 4), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+
+
+def test_mesh_larger_than_machine():
+    with pytest.raises(ValueError, match=r"needs 16 devices but only 8 exist.*simulate_devices\(16\)"):
+        tfmp.DeviceMesh((4, 4), ("batch", "model"))
+
+
+def test_mesh_axis_names_must_match_shape():
+    with pytest.raises(ValueError, match="one name per axis"):
+        tfmp.DeviceMesh((2, 4), ("batch",))
+
+
+def test_layout_axis_not_in_mesh():
+    layout_map = tfmp.LayoutMap(mesh((2, 4)))
+    with pytest.raises(ValueError, match=r"'modle' is not an axis of the mesh.*\['batch', 'model'\]"):
+        layout_map["dense/kernel"] = (None, "modle")
+
+
+def test_layout_rank_differs_from_variable():
+    device_mesh = mesh((2, 4))
+    layout_map = tfmp.LayoutMap(device_mesh)
+    layout_map["up/kernel"] = ("model",)
+    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map)
+    with pytest.raises(ValueError, match=r"variable 'mlp/up/kernel' has 1 entries but the variable has shape \(16, 32\) \(rank 2\).*'up/kernel'"):
+        with strategy.scope():
+            build_mlp()
+
+
+def test_two_rules_matching_one_variable():
+    device_mesh = mesh((2, 4))
+    layout_map = tfmp.LayoutMap(device_mesh)
+    layout_map["up/.*"] = (None, "model")
+    layout_map["kernel"] = ("model", None)
+    with pytest.raises(ValueError, match=r"matches several LayoutMap keys"):
+        with tfmp.ModelParallelStrategy(device_mesh, layout_map).scope():
+            build_mlp()
+
+
+def test_indivisible_dimension_is_replicated_with_a_warning():
+    device_mesh = mesh((1, 8))
+    layout_map = tfmp.LayoutMap(device_mesh)
+    layout_map["down/kernel"] = (None, "model")  # 8 outputs / 8: fine
+    layout_map["extra/kernel"] = (None, "model")  # 10 outputs / 8: not divisible
+    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map)
+
+    def build():
+        return keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(10, name="extra"), keras.layers.Dense(8, name="down")],
+            name="odd",
+        )
+
+    keras.utils.set_random_seed(0)
+    weights = build().get_weights()
+    with pytest.warns(UserWarning, match=r"'odd/extra/kernel' dimension 1 has size 10.*replicated") as caught:
+        with strategy.scope():
+            model = build()
+            model.set_weights(weights)
+            model.compile(optimizer="adam", loss="mse")
+    assert sum("odd/extra/kernel" in str(w.message) for w in caught) == 1
+    assert model.get_layer("extra").kernel.value.layout.is_fully_replicated()
+    reference = build()
+    reference.set_weights(weights)
+    reference.compile(optimizer="adam", loss="mse")
+    x, y = mlp_data(32)
+    losses, _ = train(model, x, y)
+    ref_losses, _ = train(reference, x, y)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_batch_axis_must_exist():
+    with pytest.raises(ValueError, match=r"batch_axis 'data' is not an axis of the mesh"):
+        tfmp.ModelParallelStrategy(mesh((2, 4)), batch_axis="data")
+    model_only = tfmp.ModelParallelStrategy(tfmp.DeviceMesh((8,), ("model",)))
+    assert model_only.batch_axis is None
+
+
+def test_unmatched_layout_rules_warn_once_at_first_step():
+    device_mesh = mesh((2, 4))
+    layout_map = mlp_layout_map(device_mesh)
+    layout_map["renamed_layer/kernel"] = (None, "model")
+    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map)
+    model = build_on(strategy, "mlp", initial_weights(build_mlp))
+    x, y = mlp_data(32)
+    with pytest.warns(UserWarning, match=r"\['renamed_layer/kernel'\] matched no variable") as caught:
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert sum("matched no variable" in str(w.message) for w in caught) == 1
+
+
+def test_layout_values_must_be_axis_tuples():
+    layout_map = tfmp.LayoutMap(mesh((2, 4)))
+    with pytest.raises(TypeError, match=r"such as \(None, 'model'\)"):
+        layout_map["dense/kernel"] = "model"
