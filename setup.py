@@ -1,10 +1,12 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="tfmp",
     version="0.1.0",
     description="Model parallelism for Keras 3 on TensorFlow, backed by DTensor.",
-    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description=Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tfmp", "tfmp.*"]),
     python_requires=">=3.10",
