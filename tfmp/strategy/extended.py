@@ -7,7 +7,6 @@ import warnings
 from typing import Any
 
 import keras
-
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
