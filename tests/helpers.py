@@ -61,9 +61,30 @@ def compile_lm(model: keras.Model) -> keras.Model:
     return model
 
 
+def build_layers_lm() -> keras.Model:
+    """A Transformer LM block made of tfmp's parallel layers: no LayoutMap needed."""
+    tokens = keras.Input((8,), dtype="int32")
+    x = tfmp.layers.VocabParallelEmbedding(64, 32, name="embed")(tokens)
+    attention = tfmp.layers.ParallelMultiHeadAttention(8, 4, name="attention")
+    x = keras.layers.LayerNormalization(name="norm_1")(
+        x + attention(x, x, use_causal_mask=True)
+    )
+    h = tfmp.layers.ColumnParallelDense(64, activation="gelu", name="ffn_in")(x)
+    h = tfmp.layers.RowParallelDense(32, name="ffn_out")(h)
+    x = keras.layers.LayerNormalization(name="norm_2")(x + h)
+    head = keras.layers.Dense(64, name="head")
+    logits = tfmp.layers.Sharded(head, {"kernel": (None, True), "bias": (True,)})(x)
+    return keras.Model(tokens, logits, name="layers_lm")
+
+
+def empty_layout_map(device_mesh: tfmp.DeviceMesh) -> tfmp.LayoutMap:
+    return tfmp.LayoutMap(device_mesh)
+
+
 MODELS = {
     "mlp": (build_mlp, mlp_layout_map, compile_mlp, mlp_data),
     "transformer": (build_transformer_lm, megatron_layout_map, compile_lm, lm_data),
+    "layers": (build_layers_lm, empty_layout_map, compile_lm, lm_data),
 }
 
 

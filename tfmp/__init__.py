@@ -12,6 +12,7 @@ from tfmp._env import configure_dtensor_environment
 
 configure_dtensor_environment()
 
+from tfmp import layers  # noqa: E402
 from tfmp.devices import list_devices, simulate_devices  # noqa: E402
 from tfmp.inspect.summary import summary  # noqa: E402
 from tfmp.layout import LayoutMap  # noqa: E402
@@ -25,6 +26,7 @@ __all__ = [
     "LayoutMap",
     "ModelParallelStrategy",
     "list_devices",
+    "layers",
     "simulate_devices",
     "summary",
 ]

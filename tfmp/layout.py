@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import re
+import threading
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from tensorflow.experimental import dtensor
 
@@ -150,16 +152,75 @@ def _as_axes(axes: Any) -> Axes:
     return tuple(axes)
 
 
+_declarations = threading.local()
+
+
+@contextlib.contextmanager
+def declared_layouts(owner: str, layouts: Mapping[str, Axes]) -> Iterator[None]:
+    """Declares the layouts of the weights a layer creates within the block.
+
+    Keys are weight paths relative to the layer (`"kernel"`, `"query/kernel"`);
+    a declaration made by an inner layer wins over an outer one. Outside a
+    `ModelParallelStrategy` scope declarations have no effect.
+
+    Args:
+        owner: Name of the declaring layer, for error messages.
+        layouts: Relative weight path -> axes.
+    """
+    stack = _declarations.__dict__.setdefault("stack", [])
+    stack.append((owner, {key: _as_axes(axes) for key, axes in layouts.items()}))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def declare_deferred(owner: str, layouts: Mapping[str, Axes], variables: Any) -> None:
+    """Records declared layouts on a layer's Keras variables.
+
+    Keras creates the backing variables of a lazily built model after the
+    layer's `build` has returned; the record carries the layer's declaration
+    to that moment.
+    """
+    for variable in variables:
+        found = _find_declared(variable.path, [(owner, layouts)])
+        if found is not None:
+            variable._tfmp_declared_layout = found
+
+
+def declared_layout(path: str, keras_variable: Any = None) -> tuple[str, Axes] | None:
+    """`(owner, axes)` declared for the variable at `path`, or None."""
+    recorded = getattr(keras_variable, "_tfmp_declared_layout", None)
+    if recorded is not None:
+        return recorded
+    return _find_declared(path, reversed(_declarations.__dict__.get("stack", [])))
+
+
+def _find_declared(path: str, declarations: Any) -> tuple[str, Axes] | None:
+    for owner, layouts in declarations:
+        for key, axes in layouts.items():
+            if path == key or path.endswith("/" + key):
+                return owner, _as_axes(axes)
+    return None
+
+
 def axes_to_layout(
-    axes: Axes, mesh: DeviceMesh, shape: Sequence[int], path: str, rule: str | None
+    axes: Axes,
+    mesh: DeviceMesh,
+    shape: Sequence[int],
+    path: str,
+    rule: str | None,
+    missing_axis_replicates: bool = False,
 ) -> dtensor.Layout:
     """Builds the DTensor layout for one variable, checking the axes against it.
 
     A dimension whose size does not divide by its mesh axis is kept whole, with
-    a warning naming the variable.
+    a warning naming the variable. A mesh axis the mesh lacks is an error, or,
+    with `missing_axis_replicates` (layouts that layers declare), keeps that
+    dimension whole: the layer then behaves as its Keras counterpart.
     """
     shape = tuple(shape)
-    source = f"LayoutMap rule {rule!r}" if rule else "its layout"
+    source = rule or "its layout"
     if len(axes) != len(shape):
         raise ValueError(
             f"Layout {axes} for variable {path!r} has {len(axes)} entries but the "
@@ -168,7 +229,7 @@ def axes_to_layout(
         )
     specs = []
     for dim, (axis, size) in enumerate(zip(axes, shape)):
-        if axis is None:
+        if axis is None or (missing_axis_replicates and axis not in mesh.axis_names):
             specs.append(dtensor.UNSHARDED)
             continue
         mesh.check_axis(axis, what=f"Mesh axis of variable {path!r} ({source})")

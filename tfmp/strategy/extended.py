@@ -11,7 +11,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
 
-from tfmp.layout import LayoutMap, axes_to_layout
+from tfmp.layout import LayoutMap, axes_to_layout, declared_layout
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.input import MeshDataset
 from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
@@ -51,14 +51,20 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         colocate_with = kwargs.pop("colocate_with", None)
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.get("dtype")
-        path = variable_path(kwargs.get("name"))
+        keras_variable = creating_keras_variable()
+        path = (
+            scoped_name(kwargs.get("name"))
+            if keras_variable is None
+            else keras_variable.path
+        )
 
         def initial_value_on_mesh():
             # Computed on the host so that each device only ever holds its shard.
             with tf.device("CPU:0"):
                 value = initial_value() if callable(initial_value) else initial_value
                 value = tf.convert_to_tensor(value, dtype=dtype)
-            return to_layout(value, self._layout_for(path, value.shape, colocate_with))
+            layout = self._layout_for(path, value.shape, colocate_with, keras_variable)
+            return to_layout(value, layout)
 
         with dtensor.default_mesh(self.mesh.dtensor_mesh):
             variable = ShardedVariable(initial_value_on_mesh, path=path, **kwargs)
@@ -66,17 +72,31 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         return variable
 
     def _layout_for(
-        self, path: str, shape: tf.TensorShape, colocate_with: Any
+        self, path: str, shape: tf.TensorShape, colocate_with: Any, keras_variable: Any
     ) -> dtensor.Layout:
         # Optimizer slots are created colocated with their variable: same layout.
         reference = getattr(colocate_with, "layout", None)
         if reference is not None and tuple(colocate_with.shape) == tuple(shape):
             return reference
         match = self.layout_map.match(path)
+        declared = declared_layout(path, keras_variable)
+        if declared is not None:
+            owner, axes = declared
+            if match is not None and match[1] != axes:
+                raise ValueError(
+                    f"Variable {path!r}: layer {owner!r} declares the layout {axes} "
+                    f"but LayoutMap rule {match[0]!r} gives {match[1]}. The layer's "
+                    "layout is used for its weights: remove the rule or make it "
+                    "agree."
+                )
+            return axes_to_layout(
+                axes, self.mesh, shape, path, f"the layout layer {owner!r} declares",
+                missing_axis_replicates=True,
+            )
         if match is None:
             return dtensor.Layout.replicated(self.mesh.dtensor_mesh, shape.rank)
         rule, axes = match
-        return axes_to_layout(axes, self.mesh, shape, path, rule)
+        return axes_to_layout(axes, self.mesh, shape, path, f"LayoutMap rule {rule!r}")
 
     def _validate_colocate_with_variable(self, colocate_with_variable: Any) -> None:
         pass
@@ -181,21 +201,25 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             )
 
 
-def variable_path(name: str | None) -> str:
-    """The Keras path (`"block_1/dense/kernel"`) of a variable being created.
+def creating_keras_variable() -> keras.Variable | None:
+    """The Keras variable whose backing `tf.Variable` is being created, if any.
 
-    Keras 3 variables know their path, also when their creation was deferred
-    past the name scope that built them; other variables take the current
-    name scope.
+    Keras 3 variables know their path and layer, also when their creation was
+    deferred past the name scope of the layer that built them.
     """
     frame = sys._getframe(1)
     for _ in range(_KERAS_VARIABLE_FRAMES):
         if frame is None:
-            break
+            return None
         owner = frame.f_locals.get("self")
         if isinstance(owner, keras.Variable):
-            return owner.path
+            return owner
         frame = frame.f_back
+    return None
+
+
+def scoped_name(name: str | None) -> str:
+    """The path of a variable created outside Keras: name scope + name."""
     name = (name or "Variable").split(":")[0]
     parent = tf.get_current_name_scope().rstrip("/")
     return f"{parent}/{name}" if parent else name
