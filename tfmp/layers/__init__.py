@@ -1,12 +1,14 @@
 """Keras layers that know how their weights are split over a mesh axis."""
 
 from tfmp.layers.attention import ParallelMultiHeadAttention
+from tfmp.layers.conv import ParallelConv2D
 from tfmp.layers.dense import ColumnParallelDense, RowParallelDense
 from tfmp.layers.embedding import VocabParallelEmbedding
 from tfmp.layers.sharded import Sharded
 
 __all__ = [
     "ColumnParallelDense",
+    "ParallelConv2D",
     "ParallelMultiHeadAttention",
     "RowParallelDense",
     "Sharded",

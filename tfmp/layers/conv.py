@@ -1,0 +1,146 @@
+"""A Conv2D split by output filters, by input channels, or spatially."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfmp.layers.declaring import DeclaresLayouts
+from tfmp.layers.tap_conv import conv2d_by_taps
+from tfmp.layout import Axes
+
+SPLITS = ("filters", "channels", "spatial")
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
+    """`keras.layers.Conv2D` split over a mesh axis.
+
+    - `split="filters"`: the kernel is split on output filters (column-parallel);
+      each device computes its filters, no communication forward, one
+      all-reduce of the input gradient backward.
+    - `split="channels"`: the kernel is split on input channels (row-parallel,
+      e.g. after a filter-split conv); one all-reduce of the output forward.
+    - `split="spatial"`: the kernel is replicated and the activations' height is
+      split over `axis`. On CPU and GPU DTensor has no border exchange between
+      neighbouring devices, so this layer gathers the height of its input over
+      `axis` before convolving (warned once); the output is split again when
+      its height divides by the axis size.
+
+    On a mesh these run as a sum over kernel taps of channel matmuls (DTensor's
+    own Conv2D refuses split kernels); off the mesh this is `keras.layers.Conv2D`.
+    Only `data_format="channels_last"` and `groups=1` are supported.
+
+    Args:
+        filters: As `keras.layers.Conv2D`.
+        kernel_size: As `keras.layers.Conv2D`.
+        split: `"filters"`, `"channels"` or `"spatial"`.
+        axis: The mesh axis to split over.
+        **kwargs: Any other `keras.layers.Conv2D` argument.
+
+    Example:
+
+    >>> import keras, tfmp
+    >>> cnn = keras.Sequential([
+    ...     keras.Input((32, 32, 3)),
+    ...     tfmp.layers.ParallelConv2D(64, 3, padding="same", split="filters"),
+    ...     tfmp.layers.ParallelConv2D(64, 3, padding="same", split="channels"),
+    ... ])
+    """
+
+    def __init__(
+        self,
+        filters: int,
+        kernel_size: Any,
+        split: str = "filters",
+        axis: str = "model",
+        **kwargs: Any,
+    ):
+        super().__init__(filters, kernel_size, **kwargs)
+        if split not in SPLITS:
+            raise ValueError(
+                f"ParallelConv2D(split={split!r}) is not a split; use one of {SPLITS}."
+            )
+        if self.data_format != "channels_last" or self.groups != 1:
+            raise ValueError(
+                f"ParallelConv2D supports data_format='channels_last' and groups=1, got "
+                f"data_format={self.data_format!r}, groups={self.groups}."
+            )
+        self.split = split
+        self.axis = axis
+        self._warned_gather = False
+
+    def weight_layouts(self) -> dict[str, Axes]:
+        if self.split == "filters":
+            return {"kernel": (None, None, None, self.axis), "bias": (self.axis,)}
+        if self.split == "channels":
+            return {"kernel": (None, None, self.axis, None)}
+        return {}
+
+    def convolution_op(self, inputs: Any, kernel: Any) -> Any:
+        layout = getattr(getattr(kernel, "value", None), "layout", None)
+        if layout is None:
+            return super().convolution_op(inputs, kernel)
+        mesh = layout.mesh
+        if self.axis not in mesh.dim_names:
+            # Nothing to split: DTensor's own Conv2D runs batch-split inputs.
+            return super().convolution_op(inputs, kernel)
+        batch = self._batch_spec(inputs, mesh)
+        if self.split == "spatial":
+            self._warn_gather()
+            inputs = dtensor.relayout(inputs, _layout(mesh, batch))
+        channels = {"filters": (None, self.axis), "channels": (self.axis, None)}
+        input_channels, output_channels = channels.get(self.split, (None, None))
+        outputs = conv2d_by_taps(
+            inputs,
+            kernel,
+            self.strides,
+            self.padding,
+            self.dilation_rate,
+            pad_layouts=(
+                _layout(mesh, batch, channels=input_channels),
+                _layout(mesh, batch, channels=output_channels),
+            ),
+        )
+        if self.split == "spatial" and outputs.shape[1] % mesh.dim_size(self.axis) == 0:
+            outputs = dtensor.relayout(outputs, _layout(mesh, batch, height=self.axis))
+        return outputs
+
+    def _batch_spec(self, inputs: Any, mesh: dtensor.Mesh) -> str | None:
+        """The batch split of the running strategy, as the input batch allows."""
+        batch_axis = getattr(tf.distribute.get_strategy(), "batch_axis", None)
+        if batch_axis in (None, self.axis) or batch_axis not in mesh.dim_names:
+            return None
+        size = inputs.shape[0]
+        if size is not None and size % mesh.dim_size(batch_axis):
+            return None  # a batch run whole on each device: see BatchPlacer
+        return batch_axis
+
+    def _warn_gather(self) -> None:
+        if self._warned_gather:
+            return
+        self._warned_gather = True
+        warnings.warn(
+            f"tfmp: ParallelConv2D {self.name!r} (split='spatial') gathers its "
+            f"input's height over mesh axis {self.axis!r} before convolving: DTensor "
+            "exchanges borders between devices only on TPU. Activations stay split "
+            "between layers; each conv holds its whole input briefly.",
+            stacklevel=3,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "split": self.split, "axis": self.axis}
+
+
+def _layout(
+    mesh: dtensor.Mesh,
+    batch: str | None,
+    height: str | None = None,
+    channels: str | None = None,
+) -> dtensor.Layout:
+    specs = [batch, height, None, channels]
+    return dtensor.Layout([s or dtensor.UNSHARDED for s in specs], mesh)
