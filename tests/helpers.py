@@ -61,17 +61,19 @@ def compile_lm(model: keras.Model) -> keras.Model:
     return model
 
 
-def build_layers_lm() -> keras.Model:
-    """A Transformer LM block made of tfmp's parallel layers: no LayoutMap needed."""
+def build_layers_lm(num_layers: int = 1) -> keras.Model:
+    """A Transformer LM made of tfmp's parallel layers: no LayoutMap needed."""
     tokens = keras.Input((8,), dtype="int32")
     x = tfmp.layers.VocabParallelEmbedding(64, 32, name="embed")(tokens)
-    attention = tfmp.layers.ParallelMultiHeadAttention(8, 4, name="attention")
-    x = keras.layers.LayerNormalization(name="norm_1")(
-        x + attention(x, x, use_causal_mask=True)
-    )
-    h = tfmp.layers.ColumnParallelDense(64, activation="gelu", name="ffn_in")(x)
-    h = tfmp.layers.RowParallelDense(32, name="ffn_out")(h)
-    x = keras.layers.LayerNormalization(name="norm_2")(x + h)
+    for i in range(num_layers):
+        suffix = "" if i == 0 else f"_{i}"
+        attention = tfmp.layers.ParallelMultiHeadAttention(8, 4, name=f"attention{suffix}")
+        x = keras.layers.LayerNormalization(name=f"norm_1{suffix}")(
+            x + attention(x, x, use_causal_mask=True)
+        )
+        h = tfmp.layers.ColumnParallelDense(64, activation="gelu", name=f"ffn_in{suffix}")(x)
+        h = tfmp.layers.RowParallelDense(32, name=f"ffn_out{suffix}")(h)
+        x = keras.layers.LayerNormalization(name=f"norm_2{suffix}")(x + h)
     head = keras.layers.Dense(64, name="head")
     logits = tfmp.layers.Sharded(head, {"kernel": (None, True), "bias": (True,)})(x)
     return keras.Model(tokens, logits, name="layers_lm")

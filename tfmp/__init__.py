@@ -13,7 +13,9 @@ from tfmp._env import configure_dtensor_environment
 configure_dtensor_environment()
 
 from tfmp import layers  # noqa: E402
+from tfmp.auto_layout import auto_layout  # noqa: E402
 from tfmp.devices import list_devices, simulate_devices  # noqa: E402
+from tfmp.inspect.comm_report import comm_report  # noqa: E402
 from tfmp.inspect.summary import summary  # noqa: E402
 from tfmp.layout import LayoutMap  # noqa: E402
 from tfmp.mesh import DeviceMesh  # noqa: E402
@@ -25,6 +27,8 @@ __all__ = [
     "DeviceMesh",
     "LayoutMap",
     "ModelParallelStrategy",
+    "auto_layout",
+    "comm_report",
     "list_devices",
     "layers",
     "simulate_devices",

@@ -42,6 +42,7 @@ class LayoutMap(collections.abc.MutableMapping):
         self._mesh = as_device_mesh(mesh)
         self._rules: dict[str, Axes] = {}
         self._matched: set[str] = set()
+        self.reasons: dict[str, str] = {}  # why a planner left a variable whole
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -6,10 +6,10 @@ import warnings
 from typing import Any
 
 import keras
-import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfmp.layers.declaring import DeclaresLayouts
+from tfmp.layers.mesh_context import batch_spec
 from tfmp.layers.tap_conv import conv2d_by_taps
 from tfmp.layout import Axes
 
@@ -89,7 +89,7 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
         if self.axis not in mesh.dim_names:
             # Nothing to split: DTensor's own Conv2D runs batch-split inputs.
             return super().convolution_op(inputs, kernel)
-        batch = self._batch_spec(inputs, mesh)
+        batch = batch_spec(inputs, mesh, self.axis)
         if self.split == "spatial":
             self._warn_gather()
             inputs = dtensor.relayout(inputs, _layout(mesh, batch))
@@ -110,16 +110,6 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
             outputs = dtensor.relayout(outputs, _layout(mesh, batch, height=self.axis))
         return outputs
 
-    def _batch_spec(self, inputs: Any, mesh: dtensor.Mesh) -> str | None:
-        """The batch split of the running strategy, as the input batch allows."""
-        batch_axis = getattr(tf.distribute.get_strategy(), "batch_axis", None)
-        if batch_axis in (None, self.axis) or batch_axis not in mesh.dim_names:
-            return None
-        size = inputs.shape[0]
-        if size is not None and size % mesh.dim_size(batch_axis):
-            return None  # a batch run whole on each device: see BatchPlacer
-        return batch_axis
-
     def _warn_gather(self) -> None:
         if self._warned_gather:
             return
@@ -138,9 +128,9 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
 
 def _layout(
     mesh: dtensor.Mesh,
-    batch: str | None,
+    batch: str,
     height: str | None = None,
     channels: str | None = None,
 ) -> dtensor.Layout:
-    specs = [batch, height, None, channels]
-    return dtensor.Layout([s or dtensor.UNSHARDED for s in specs], mesh)
+    specs = [batch, height or dtensor.UNSHARDED, dtensor.UNSHARDED, channels]
+    return dtensor.Layout([spec or dtensor.UNSHARDED for spec in specs], mesh)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfmp.layers.declaring import DeclaresLayouts
+from tfmp.layers.mesh_context import batch_spec
 from tfmp.layout import Axes
 
 
@@ -15,7 +18,13 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
     """`keras.layers.Embedding` whose table is split on the vocabulary.
 
     Each device of `axis` stores `input_dim / axis size` rows of the table (and
-    of the optimizer slots).
+    of the optimizer slots). On the mesh the lookup is a product of one-hot
+    rows with the table, so each device reads only its rows and one all-reduce
+    of the `(batch, ..., output_dim)` output combines them, as in Megatron-LM
+    (a plain `Embedding` with a vocabulary-split rule gathers the whole table
+    each step instead). This costs `input_dim * output_dim` multiply-adds per
+    token. The table's gradient is the rows of the batch, as `Embedding`'s, so
+    Keras' optimizers update only those rows and training matches `Embedding`.
 
     Args:
         input_dim: Vocabulary size, as `keras.layers.Embedding`.
@@ -35,6 +44,38 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
 
     def weight_layouts(self) -> dict[str, Axes]:
         return {"embeddings": (self.axis, None)}
+
+    def call(self, inputs: Any) -> Any:
+        layout = getattr(self.embeddings.value, "layout", None)
+        if layout is None or self.axis not in layout.sharding_specs:
+            return super().call(inputs)
+        ids = tf.cast(inputs, "int32")
+        # Split the one-hot rows like the table, so that each device reads only
+        # its rows and one all-reduce of the output combines them.
+        rank = ids.shape.rank + 1
+        specs = [batch_spec(inputs, layout.mesh, self.axis)]
+        specs += [dtensor.UNSHARDED] * (rank - 2) + [self.axis]
+        one_hot_layout = dtensor.Layout(specs, layout.mesh)
+        dims = "abcdefgh"[: rank - 1]
+        table = tf.cast(self.embeddings, self.compute_dtype)
+
+        @tf.custom_gradient
+        def lookup(table: tf.Tensor):
+            one_hot = tf.one_hot(ids, self.input_dim, dtype=table.dtype)
+            one_hot = dtensor.relayout(one_hot, one_hot_layout)
+
+            def grad(upstream: tf.Tensor) -> tf.IndexedSlices:
+                # The gradient Keras' Embedding has: rows of the batch, by id.
+                # Keras' TF optimizers update only those rows of the slots.
+                return tf.IndexedSlices(
+                    tf.reshape(upstream, [-1, self.output_dim]),
+                    tf.reshape(ids, [-1]),
+                    tf.shape(table, out_type=tf.int64),
+                )
+
+            return tf.einsum(f"{dims}v,vz->{dims}z", one_hot, table), grad
+
+        return lookup(table)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "axis": self.axis}

@@ -13,6 +13,7 @@ from tensorflow.python.distribute import distribute_lib
 
 from tfmp.layout import LayoutMap, axes_to_layout, declared_layout
 from tfmp.mesh import DeviceMesh
+from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.input import MeshDataset
 from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
@@ -40,6 +41,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         self.mesh = mesh
         self.layout_map = layout_map
         self.placer = BatchPlacer(mesh.dtensor_mesh, batch_axis)
+        self.first_step_graphs = FirstStepGraphs()
         self._checked_layout_map = False
 
     # Variables -------------------------------------------------------------
@@ -172,7 +174,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _experimental_distribute_dataset(self, dataset, options):
         del options
         self.warn_unmatched_layout_rules()
-        return MeshDataset(dataset, self.placer)
+        return MeshDataset(dataset, self.placer, self.first_step_graphs)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         del options

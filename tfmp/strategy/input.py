@@ -6,6 +6,7 @@ from typing import Any, Iterator
 
 import tensorflow as tf
 
+from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.placement import BatchPlacer
 
 
@@ -22,11 +23,18 @@ class MeshDataset:
     Args:
         dataset: A batched `tf.data.Dataset`.
         placer: Packs each batch onto the mesh.
+        first_step_graphs: Told of every batch, to keep the first step's graphs.
     """
 
-    def __init__(self, dataset: tf.data.Dataset, placer: BatchPlacer):
+    def __init__(
+        self,
+        dataset: tf.data.Dataset,
+        placer: BatchPlacer,
+        first_step_graphs: FirstStepGraphs,
+    ):
         self._dataset = dataset
         self._placer = placer
+        self._first_step_graphs = first_step_graphs
 
     @property
     def element_spec(self) -> Any:
@@ -35,7 +43,10 @@ class MeshDataset:
     def __iter__(self) -> "MeshIterator":
         cardinality = int(self._dataset.cardinality())
         return MeshIterator(
-            iter(self._dataset), self._placer, cardinality != tf.data.UNKNOWN_CARDINALITY
+            iter(self._dataset),
+            self._placer,
+            cardinality != tf.data.UNKNOWN_CARDINALITY,
+            self._first_step_graphs,
         )
 
 
@@ -43,11 +54,17 @@ class MeshIterator:
     """Iterator over a `MeshDataset`; looks one batch ahead to know the last one."""
 
     def __init__(
-        self, host_iterator: Iterator, placer: BatchPlacer, known_length: bool
+        self,
+        host_iterator: Iterator,
+        placer: BatchPlacer,
+        known_length: bool,
+        first_step_graphs: FirstStepGraphs,
     ):
         self._host_iterator = host_iterator
         self._placer = placer
         self._known_length = known_length
+        self._first_step_graphs = first_step_graphs
+        first_step_graphs.on_new_iterator()
         self._next = self._pull()
 
     def _pull(self) -> Any:
@@ -62,11 +79,13 @@ class MeshIterator:
     def __next__(self) -> Any:
         batch = self._next
         if batch is None:
+            self._first_step_graphs.finish()
             if self._known_length:
                 raise StopIteration
             # Keras stops an epoch of unknown length on OutOfRangeError; a plain
             # StopIteration inside its step loop would leave it without outputs.
             raise tf.errors.OutOfRangeError(None, None, "End of dataset.")
+        self._first_step_graphs.on_batch()
         self._next = self._pull()
         return self._placer.place(batch, is_last_batch=self._next is None)
 

@@ -1,0 +1,100 @@
+"""tfmp.auto_layout plans Megatron layouts, and training with them is exact."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfmp
+from helpers import assert_weights_close, initial_weights, lm_data, mesh, train
+from tfmp.demo import build_transformer_lm, megatron_layout_map
+
+
+def layouts_of(model):
+    return {v.path: v.value.layout.sharding_specs for v in model.variables}
+
+
+def test_transformer_block_gets_the_megatron_layout():
+    device_mesh = mesh((2, 4))
+    planned = tfmp.auto_layout(build_transformer_lm(), device_mesh)
+    by_hand = megatron_layout_map(device_mesh)
+    with tfmp.ModelParallelStrategy(device_mesh, planned).scope():
+        auto = build_transformer_lm()
+    with tfmp.ModelParallelStrategy(device_mesh, by_hand).scope():
+        manual = build_transformer_lm()
+    assert layouts_of(auto) == layouts_of(manual)
+    assert "ffn_out/bias" in planned.reasons and "attention_norm/gamma" in planned.reasons
+
+
+def build_cnn():
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(8, 3, activation="relu", name="conv"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(32, activation="relu", name="fc1"),
+            keras.layers.Dropout(0.0),
+            keras.layers.Dense(16, name="fc2"),
+            keras.layers.Dense(10, name="classifier"),
+        ],
+        name="cnn",
+    )
+
+
+def test_cnn_plan_is_sensible():
+    planned = tfmp.auto_layout(build_cnn(), mesh((1, 8)))
+    assert dict(planned.items()) == {
+        "cnn/fc1/kernel": (None, "model"),
+        "cnn/fc1/bias": ("model",),
+        "cnn/fc2/kernel": ("model", None),
+    }
+    assert "ParallelConv2D" in planned.reasons["cnn/conv/kernel"]
+    assert "no Dense follows" in planned.reasons["cnn/classifier/kernel"]
+
+
+def test_indivisible_dimensions_stay_whole_with_a_reason():
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(12, name="a"), keras.layers.Dense(5, name="b")],
+        name="odd",
+    )
+    with pytest.warns(UserWarning, match=r"left \['odd/b/kernel'\] replicated"):
+        planned = tfmp.auto_layout(model, mesh((1, 8)))
+    assert len(planned) == 0
+    assert "does not divide" in planned.reasons["odd/b/kernel"]
+    assert "partner could not be split" in planned.reasons["odd/a/kernel"]
+
+
+def test_unbuilt_model_is_an_error():
+    with pytest.raises(ValueError, match="needs a built model"):
+        tfmp.auto_layout(keras.Sequential([keras.layers.Dense(4)]), mesh((1, 8)))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
+@pytest.mark.parametrize("name", ["transformer", "cnn"])
+def test_auto_layout_parity(name, shape):
+    build = build_transformer_lm if name == "transformer" else build_cnn
+    weights = initial_weights(build)
+    if name == "transformer":
+        x, y = lm_data(64)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, 8, 8, 3)).astype("float32")
+        y = rng.integers(0, 10, size=(64,))
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def compiled(model):
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+        return model
+
+    reference = compiled(build())
+    device_mesh = mesh(shape)
+    strategy = tfmp.ModelParallelStrategy(device_mesh, tfmp.auto_layout(reference, device_mesh))
+    with strategy.scope():
+        model = compiled(keras.Model.from_config(reference.get_config()) if name == "transformer" else build())
+    assert any(not v.value.layout.is_fully_replicated() for v in model.variables)
+    ref_losses, _ = train(reference, x, y)
+    losses, _ = train(model, x, y)
+    assert len(losses) == 4
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_weights_close(reference.get_weights(), model.get_weights())

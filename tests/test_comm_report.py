@@ -1,0 +1,77 @@
+"""tfmp.comm_report counts the collectives of a step as Megatron-LM predicts."""
+
+import keras
+import pytest
+
+import tfmp
+from helpers import build_layers_lm, build_mlp, compile_mlp, lm_data, mesh, mlp_data, mlp_layout_map
+from tfmp.inspect.summary import bytes_per_device
+
+
+def fit_one_epoch(strategy, build, compile_fn, data, batch_size):
+    with strategy.scope():
+        model = compile_fn(build())
+    model.fit(*data, batch_size=batch_size, epochs=1, verbose=0)
+    return model
+
+
+def compile_loss_only(model):
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def test_two_layer_transformer_megatron_traffic():
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh)
+    # Loss only: an accuracy metric would gather the vocabulary-split logits.
+    model = fit_one_epoch(strategy, lambda: build_layers_lm(num_layers=2), compile_loss_only, lm_data(64), 32)
+    report = tfmp.comm_report(model, print_fn=lambda _: None)
+    # b = 32 / 2 rows per device, s = 8, h = 32, float32.
+    activation_bytes = 16 * 8 * 32 * 4
+    per_layer = [
+        c for c in report.collectives
+        if c.phase == "forward" and c.axes == ("model",)
+        and any(f"/{name}" in c.op for name in ("attention_output", "ffn_out"))
+    ]
+    assert [c.kind for c in per_layer] == ["all-reduce"] * 4  # 2 per layer, 2 layers
+    assert all(c.bytes == activation_bytes for c in per_layer)
+    assert not [c for c in report.collectives if c.kind == "all-gather"]
+    backward_model = [c for c in report.collectives if c.phase == "backward" and c.axes == ("model",)]
+    assert backward_model and all(c.bytes == activation_bytes for c in backward_model)
+    # Every gradient is synchronized over "batch" at its shard size, but the
+    # embedding's: its gradient is sparse (rows by id, as Keras' Embedding), and
+    # Keras' Adam sums those rows into its two slots, one all-reduce each.
+    gradient_bytes = sum(c.bytes for c in report.collectives if c.category == "gradients")
+    embedding_shard = (64 // 4) * 32 * 4
+    shard_bytes = {kinds["parameters"] for kinds in bytes_per_device(model).values()}
+    assert shard_bytes == {gradient_bytes + embedding_shard}
+    assert all(c.axes == ("batch",) for c in report.collectives if c.category == "gradients")
+    optimizer = [c for c in report.collectives if c.category == "optimizer"]
+    assert [(c.axes, c.bytes) for c in optimizer] == [(("batch",), 64 * 32 * 4)] * 2
+    assert "gradients" in str(report) and "all-reduce" in str(report)
+
+
+def test_column_row_mlp_costs_one_forward_all_reduce():
+    device_mesh = mesh((1, 8))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
+    model = fit_one_epoch(strategy, build_mlp, compile_mlp, mlp_data(32), 16)
+    report = tfmp.comm_report(model, print_fn=lambda _: None)
+    forward = [c for c in report.collectives if c.phase == "forward" and c.axes == ("model",)]
+    # The pair's output: 16 rows x 8 outputs x 4 bytes, then the metric/loss sums.
+    assert [c.bytes for c in forward if "down" in c.op] == [16 * 8 * 4]
+    # The first layer's input needs no gradient: no backward activation traffic.
+    assert not [c for c in report.collectives if c.phase == "backward" and c.axes == ("model",)]
+    # No batch axis of size > 1: nothing to synchronize.
+    assert not [c for c in report.collectives if c.category == "gradients"]
+
+
+def test_report_needs_a_trained_model():
+    with pytest.raises(ValueError, match="not built under a tfmp.ModelParallelStrategy"):
+        tfmp.comm_report(build_mlp())
+    with tfmp.ModelParallelStrategy(mesh((2, 4))).scope():
+        model = compile_mlp(build_mlp())
+    with pytest.raises(ValueError, match=r"call model.fit\(...\) for at least one step"):
+        tfmp.comm_report(model)

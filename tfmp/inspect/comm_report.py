@@ -1,0 +1,215 @@
+"""`tfmp.comm_report`: the collectives DTensor inserted into the train step."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tfmp.strategy.graph_capture import is_train_step
+
+# Collective ops of TensorFlow's runtime that DTensor lowers its own to.
+_COLLECTIVE_OPS = (
+    "CollectiveReduceV2",
+    "CollectiveGatherV2",
+    "CollectiveReduceScatterV2",
+    "CollectiveAllToAllV2",
+)
+_DTENSOR_KINDS = {
+    "DTensorAllReduceOp": "all-reduce",
+    "DTensorAllGatherOp": "all-gather",
+    "DTensorReduceScatterOp": "reduce-scatter",
+    "DTensorAllScatterOp": "all-scatter",
+    "DTensorAllToAllOp": "all-to-all",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of one step, as every device of the mesh runs it.
+
+    Attributes:
+        op: The model op it serves (`"transformer_lm/ffn_out/MatMul"`).
+        kind: `"all-reduce"`, `"all-gather"`, ...
+        axes: The mesh axes it communicates over.
+        phase: `"forward"`, `"backward"` or `"optimizer"`.
+        category: `"activations"` (forward or backward) or `"gradients"`
+            (gradient synchronization over the batch axis), or `"optimizer"`.
+        bytes: Size of the tensor it reduces or gathers, per device.
+    """
+
+    op: str
+    kind: str
+    axes: tuple[str, ...]
+    phase: str
+    category: str
+    bytes: int
+
+
+@dataclasses.dataclass
+class CommReport:
+    """The collectives of one training step, per device."""
+
+    collectives: list[Collective]
+
+    def totals(self) -> dict[tuple[str, str, str, str], tuple[int, int]]:
+        """(category, phase, axes, kind) -> (count, bytes per device per step)."""
+        totals: dict = collections.defaultdict(lambda: [0, 0])
+        for c in self.collectives:
+            key = (c.category, c.phase, ",".join(c.axes), c.kind)
+            totals[key][0] += 1
+            totals[key][1] += c.bytes
+        return {key: tuple(value) for key, value in sorted(totals.items())}
+
+    def __str__(self) -> str:
+        rows = [("category", "phase", "mesh axis", "kind", "count", "bytes/device/step")]
+        for (category, phase, axes, kind), (count, size) in self.totals().items():
+            rows.append((category, phase, axes, kind, str(count), f"{size:,}"))
+        total = sum(c.bytes for c in self.collectives)
+        rows.append(("total", "", "", "", str(len(self.collectives)), f"{total:,}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        return "\n".join(lines)
+
+
+def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> CommReport:
+    """Reports the collectives DTensor inserted into the model's train step.
+
+    tfmp keeps the per-device graphs DTensor ran for the first batches of the
+    first `fit` (later steps are not slowed); this reads the train step's graph
+    of one device and classifies each collective by mesh axis, kind and phase.
+    Bytes are the size of each reduced or gathered tensor on one device.
+
+    Args:
+        model: A model trained with `fit` for at least one step under a
+            `tfmp.ModelParallelStrategy`.
+        print_fn: Called with the table; defaults to `print`.
+
+    Returns:
+        The `CommReport`.
+
+    Raises:
+        ValueError: If the model has no tfmp strategy or has not been fit yet.
+
+    Example:
+
+    >>> model.fit(x, y, epochs=1)  # doctest: +SKIP
+    >>> report = tfmp.comm_report(model)  # doctest: +SKIP
+    """
+    extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
+    graphs = getattr(extended, "first_step_graphs", None)
+    if graphs is None:
+        raise ValueError(
+            f"Model {model.name!r} was not built under a tfmp.ModelParallelStrategy: "
+            "there are no mesh collectives to report."
+        )
+    graphs.finish()
+    if not any(map(is_train_step, graphs.function_graphs)):
+        raise ValueError(
+            f"No training step of model {model.name!r} has run under tfmp yet: call "
+            "model.fit(...) for at least one step, then tfmp.comm_report(model)."
+        )
+    mesh = extended.mesh
+    optimizer = getattr(getattr(model, "optimizer", None), "name", None)
+    step = _train_step_partition(graphs.function_graphs, mesh)
+    batch_axis = extended.placer.batch_axis
+    report = CommReport(
+        [_collective(node, step, mesh, optimizer, batch_axis) for node in step.node
+         if node.op in _COLLECTIVE_OPS]
+    )
+    (print_fn or print)(str(report))
+    return report
+
+
+def _train_step_partition(function_graphs: list, mesh: Any) -> Any:
+    """The first mesh device's partition of the train step function.
+
+    The device can hold more than one partition (host-side parts); the one
+    with the collectives is the step's body.
+    """
+    device = tf.DeviceSpec.from_string(mesh.devices.flat[0])
+    partitions = [
+        partition
+        for function in filter(is_train_step, function_graphs)
+        for partition in function.partition_graphs
+        if any(
+            node.device and _same_device(tf.DeviceSpec.from_string(node.device), device)
+            for node in partition.node
+        )
+    ]
+    if not partitions:
+        raise ValueError(
+            "tfmp kept no training step graph on the mesh's first device "
+            f"{mesh.devices.flat[0]}: run model.fit on this model's strategy."
+        )
+    return max(partitions, key=lambda p: sum(n.op in _COLLECTIVE_OPS for n in p.node))
+
+
+def _same_device(a: tf.DeviceSpec, b: tf.DeviceSpec) -> bool:
+    return (a.device_type, a.device_index, a.task or 0) == (b.device_type, b.device_index, b.task or 0)
+
+
+def _op_name(node: Any) -> str:
+    names = node.experimental_debug_info.original_node_names
+    return names[0] if names else node.name
+
+
+def _collective(node, partition, mesh, optimizer, batch_axis) -> Collective:
+    name = _op_name(node)
+    op, _, dtensor_op = name.rpartition("/")
+    kind = _DTENSOR_KINDS.get(dtensor_op, node.op)
+    axes = _group_axes(node, partition, mesh)
+    if name.startswith("gradient_tape/"):
+        phase = "backward"
+        category = "gradients" if axes == (batch_axis,) else "activations"
+    elif optimizer and name.startswith(optimizer + "/"):
+        phase = category = "optimizer"
+    else:
+        phase, category = "forward", "activations"
+    return Collective(op or name, kind, axes, phase, category, _bytes(node))
+
+
+def _bytes(node: Any) -> int:
+    dtype = tf.as_dtype(node.attr["T"].type)
+    shapes = node.attr["_output_shapes"].list.shape
+    if not shapes or any(d.size < 0 for d in shapes[0].dim):
+        return 0
+    return int(np.prod([d.size for d in shapes[0].dim])) * dtype.size
+
+
+def _group_axes(node: Any, partition: Any, mesh: Any) -> tuple[str, ...]:
+    """The mesh axes along which the devices of the node's groups differ.
+
+    DTensor computes the group key from a constant table, one entry per device
+    of the mesh: devices with equal entries form a group.
+    """
+    table = _group_table(node.input[2], partition, mesh.size)
+    if table is None:
+        return ("?",)
+    coordinates = np.array(np.unravel_index(np.arange(mesh.size), mesh.shape)).T
+    varying = set()
+    for group in np.unique(table):
+        members = coordinates[table == group]
+        varying |= {i for i in range(len(mesh.shape)) if len(set(members[:, i])) > 1}
+    return tuple(mesh.axis_names[i] for i in sorted(varying))
+
+
+def _group_table(start: str, partition: Any, size: int) -> np.ndarray | None:
+    nodes = {n.name: n for n in partition.node}
+    pending, seen = [start], set()
+    while pending:
+        name = pending.pop().split(":")[0].lstrip("^")
+        node = nodes.get(name)
+        if node is None or name in seen:
+            continue
+        seen.add(name)
+        if node.op == "Const":
+            value = tf.make_ndarray(node.attr["value"].tensor)
+            if value.shape == (size,):
+                return value
+        pending += list(node.input)
+    return None
