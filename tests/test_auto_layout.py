@@ -98,3 +98,40 @@ def test_auto_layout_parity(name, shape):
     assert len(losses) == 4
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_weights_close(reference.get_weights(), model.get_weights())
+
+
+def test_strategy_with_auto_layout_map_matches_single_device():
+    weights = initial_weights(build_transformer_lm)
+    x, y = lm_data(64)
+
+    def compiled(model):
+        model.set_weights(weights)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    reference = compiled(build_transformer_lm())
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map="auto")
+    with strategy.scope():
+        model = compiled(build_transformer_lm())
+    assert all(v.value.layout.is_fully_replicated() for v in model.variables)
+    ref_losses, _ = train(reference, x, y)
+    losses, _ = train(model, x, y)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_weights_close(reference.get_weights(), model.get_weights())
+    with tfmp.ModelParallelStrategy(device_mesh, megatron_layout_map(device_mesh)).scope():
+        by_hand = build_transformer_lm()
+    assert layouts_of(model) == layouts_of(by_hand)
+    kernel = model.get_layer("ffn_in").kernel
+    slots = [v for v in model.optimizer.variables if v.shape == kernel.shape]
+    assert slots and all(
+        s.value.layout.sharding_specs == ["unsharded", "model"] for s in slots
+    )
+
+
+def test_auto_needs_a_model_axis():
+    with pytest.raises(ValueError, match="layout_map='auto' splits over mesh axis 'model' is not an axis"):
+        tfmp.ModelParallelStrategy(tfmp.DeviceMesh((8,), ("batch",)), layout_map="auto")

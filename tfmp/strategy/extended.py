@@ -11,6 +11,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
 
+from tfmp.auto_layout import auto_layout
 from tfmp.layout import LayoutMap, axes_to_layout, declared_layout
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.graph_capture import FirstStepGraphs
@@ -36,10 +37,12 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         mesh: DeviceMesh,
         layout_map: LayoutMap,
         batch_axis: str | None,
+        auto_axis: str | None = None,
     ):
         super().__init__(container_strategy)
         self.mesh = mesh
         self.layout_map = layout_map
+        self.auto_axis = auto_axis
         self.placer = BatchPlacer(mesh.dtensor_mesh, batch_axis)
         self.first_step_graphs = FirstStepGraphs()
         self._checked_layout_map = False
@@ -99,6 +102,42 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             return dtensor.Layout.replicated(self.mesh.dtensor_mesh, shape.rank)
         rule, axes = match
         return axes_to_layout(axes, self.mesh, shape, path, f"LayoutMap rule {rule!r}")
+
+    def apply_auto_layouts(self, model: Any) -> None:
+        """With `layout_map="auto"`: plans the model's layouts and moves its
+        variables to them, once, before its optimizer has slots."""
+        if self.auto_axis is None or model.__dict__.get("_tfmp_auto_planned"):
+            return
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built and optimizer.variables:
+            raise ValueError(
+                f"layout_map='auto' lays out model {model.name!r} when it first "
+                "trains or predicts, but its optimizer already has variables. Build "
+                "and compile the model in the strategy's scope and call fit first."
+            )
+        object.__setattr__(model, "_tfmp_auto_planned", True)
+        if not model.built:
+            return  # built lazily in the scope: planned at the next call
+        plan = auto_layout(model, self.mesh, self.auto_axis)
+        for variable in model.variables:
+            match = plan.match(variable.path)
+            if match is None:
+                continue
+            layout = axes_to_layout(match[1], self.mesh, variable.shape, variable.path, "auto_layout")
+            variable._value = self._relaid(variable.value, layout)  # noqa: SLF001
+        self.layout_map = plan
+
+    def _relaid(self, variable: ShardedVariable, layout: dtensor.Layout) -> ShardedVariable:
+        with dtensor.default_mesh(self.mesh.dtensor_mesh):
+            relaid = ShardedVariable(
+                to_layout(variable.read_value(), layout),
+                path=variable.path,
+                name=variable.name.split(":")[0],
+                trainable=variable.trainable,
+                dtype=variable.dtype,
+            )
+        relaid.placer = self.placer
+        return relaid
 
     def _validate_colocate_with_variable(self, colocate_with_variable: Any) -> None:
         pass

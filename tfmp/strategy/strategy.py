@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tfmp.layout import LayoutMap, as_layout_map
 from tfmp.mesh import DeviceMesh, as_device_mesh
-from tfmp.strategy import eager_calls
+from tfmp.strategy import keras_hooks
 from tfmp.strategy.extended import ModelParallelExtended
 
 _DEFAULT_BATCH_AXIS = "batch"
@@ -27,7 +27,9 @@ class ModelParallelStrategy(tf.distribute.Strategy):
     Args:
         mesh: A `tfmp.DeviceMesh` or `keras.distribution.DeviceMesh`.
         layout_map: A `tfmp.LayoutMap`, `keras.distribution.LayoutMap` or dict
-            of regex -> axes; None replicates every variable (data parallelism).
+            of regex -> axes; None replicates every variable (data parallelism);
+            `"auto"` plans Megatron layouts with `tfmp.auto_layout` over the
+            mesh axis `"model"` when the model first trains or predicts.
         batch_axis: The mesh axis that splits the batch. If the mesh has no axis
             of the default name `"batch"`, batches are not split (no data
             parallelism); any other name must be a mesh axis. None: not split.
@@ -62,10 +64,20 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             if batch_axis != _DEFAULT_BATCH_AXIS:
                 mesh.check_axis(batch_axis, what="batch_axis")
             batch_axis = None
+        auto_axis = None
+        if isinstance(layout_map, str):
+            if layout_map != "auto":
+                raise ValueError(
+                    f"layout_map={layout_map!r}: pass a LayoutMap, a dict, None or 'auto'."
+                )
+            mesh.check_axis("model", what="layout_map='auto' splits over mesh axis")
+            auto_axis, layout_map = "model", None
         super().__init__(
-            ModelParallelExtended(self, mesh, as_layout_map(layout_map, mesh), batch_axis)
+            ModelParallelExtended(
+                self, mesh, as_layout_map(layout_map, mesh), batch_axis, auto_axis
+            )
         )
-        eager_calls.install()
+        keras_hooks.install()
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -1,11 +1,13 @@
-"""Eager use of a model on host data: `model(x)` and `*_on_batch`.
+"""Where tfmp meets Keras' entry points: `model(x)`, `*_on_batch`, `fit`.
 
-Keras hands these numpy arrays or host tensors, which DTensor refuses to mix
-with mesh variables. tfmp wraps `Layer.__call__` and the `*_on_batch` methods
-once so that, for a model whose variables live on a tfmp mesh, host inputs are
-packed onto the mesh (split over the batch axis), the call runs as a function
-on the mesh, and outputs come back whole. Anything else passes through
-untouched.
+Keras hands `model(x)` and the `*_on_batch` methods numpy arrays or host
+tensors, which DTensor refuses to mix with mesh variables. tfmp wraps
+`Layer.__call__` and those methods once so that, for a model whose variables
+live on a tfmp mesh, host inputs are packed onto the mesh (split over the batch
+axis), the call runs as a function on the mesh, and outputs come back whole.
+`fit`, `evaluate`, `predict` and the `*_on_batch` methods first let a strategy
+with `layout_map="auto"` lay out the model's variables. Anything else passes
+through untouched.
 """
 
 from __future__ import annotations
@@ -38,18 +40,42 @@ def install() -> None:
     keras.layers.Layer.__call__ = _eager_call(keras.layers.Layer.__call__)
     for name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
         setattr(TensorFlowTrainer, name, _on_batch(getattr(TensorFlowTrainer, name)))
+    for name in ("fit", "evaluate", "predict"):
+        setattr(TensorFlowTrainer, name, _planned(getattr(TensorFlowTrainer, name)))
 
 
 def placer_for(layer: Any) -> BatchPlacer | None:
     """The batch placer of the tfmp mesh `layer` runs on, or None."""
-    for strategy in (tf.distribute.get_strategy(), getattr(layer, "_distribute_strategy", None)):
-        if isinstance(getattr(strategy, "extended", None), ModelParallelExtended):
-            return strategy.extended.placer
+    extended = _extended_of(getattr(layer, "_distribute_strategy", None))
+    if extended is None:
+        extended = _extended_of(tf.distribute.get_strategy())
+    if extended is not None:
+        return extended.placer
     for weight in layer.weights[:1]:
         variable = getattr(weight, "value", weight)
         if isinstance(variable, ShardedVariable):
             return variable.placer
     return None
+
+
+def _extended_of(strategy: Any) -> ModelParallelExtended | None:
+    extended = getattr(strategy, "extended", None)
+    return extended if isinstance(extended, ModelParallelExtended) else None
+
+
+def _plan(model: Any) -> None:
+    extended = _extended_of(getattr(model, "_distribute_strategy", None))
+    if extended is not None:
+        extended.apply_auto_layouts(model)
+
+
+def _planned(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        _plan(self)
+        return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _has_host_array(structure: Any) -> bool:
@@ -110,6 +136,7 @@ def _on_batch(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        _plan(self)
         placer = placer_for(self)
         if placer is None:
             return method(self, *args, **kwargs)

@@ -1,0 +1,145 @@
+"""Memory, communication and step time of a tensor-parallel GPT-style model.
+
+A GPT-style LM (default 4 layers, width 512, 8 heads, FFN 2048, vocabulary
+8192, sequence 64) built from `tfmp.layers` is trained for a few steps with
+Adam on 1x1, 1x2, 1x4 and 1x8 ("batch" x "model") meshes of simulated CPU
+devices, in one run. For each mesh it prints:
+
+- memory: per-device bytes of parameters + optimizer slots (as
+  `tfmp.summary` counts them) / the ideal, one-device total / N. Target <= 1.05.
+- communication: bytes per device per step of the collectives over "model"
+  (from `tfmp.comm_report`) / the Megatron-LM minimum
+  `(2L + 1) * b*s*h` forward (embedding, attention and FFN outputs) +
+  `(2L + 1) * b*s*h` backward (attention and FFN inputs, the head's input)
+  + `3 * b*s` (the vocabulary-split cross entropy), in float32. Target 1.00.
+- step time: median step time / the 1x1 median, measured side by side.
+  On one 2-core CPU split into devices there is no parallel speed-up to see.
+
+Usage (from the repository root):
+
+    python bench/tensor_parallel.py            # the model above
+    python bench/tensor_parallel.py --quick    # a tiny model, a CI smoke run
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfmp  # noqa: E402
+
+tfmp.simulate_devices(8)  # before any TensorFlow op
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmp.inspect.summary import bytes_per_device  # noqa: E402
+
+MODEL_AXIS_SIZES = (1, 2, 4, 8)
+WARMUP_STEPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int
+    width: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    batch: int
+    steps: int
+
+
+FULL = Config(layers=4, width=512, heads=8, ffn=2048, vocab=8192, seq=64, batch=8, steps=5)
+QUICK = Config(layers=2, width=64, heads=8, ffn=128, vocab=512, seq=16, batch=8, steps=3)
+
+
+def build_gpt(c: Config) -> keras.Model:
+    """A pre-built GPT-style LM made of tfmp's tensor-parallel layers."""
+    tokens = keras.Input((c.seq,), dtype="int32")
+    x = tfmp.layers.VocabParallelEmbedding(c.vocab, c.width, name="embed")(tokens)
+    for i in range(c.layers):
+        attention = tfmp.layers.ParallelMultiHeadAttention(
+            c.heads, c.width // c.heads, name=f"attention_{i}"
+        )
+        x = keras.layers.LayerNormalization(name=f"norm_a{i}")(
+            x + attention(x, x, use_causal_mask=True)
+        )
+        h = tfmp.layers.ColumnParallelDense(c.ffn, activation="gelu", name=f"ffn_in_{i}")(x)
+        h = tfmp.layers.RowParallelDense(c.width, name=f"ffn_out_{i}")(h)
+        x = keras.layers.LayerNormalization(name=f"norm_f{i}")(x + h)
+    head = keras.layers.Dense(c.vocab, name="head")
+    logits = tfmp.layers.Sharded(head, {"kernel": (None, True), "bias": (True,)})(x)
+    return keras.Model(tokens, logits, name="gpt")
+
+
+class StepTimer(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(time.perf_counter())
+
+
+def run(c: Config, model_axis: int, weights, data) -> dict:
+    mesh = tfmp.DeviceMesh((1, model_axis), ("batch", "model"))
+    strategy = tfmp.ModelParallelStrategy(mesh)
+    with strategy.scope():
+        model = build_gpt(c)
+        model.set_weights(weights)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-4),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    timer = StepTimer()
+    model.fit(*data, batch_size=c.batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    report = tfmp.comm_report(model, print_fn=lambda _: None)
+    model_bytes = sum(col.bytes for col in report.collectives if col.axes == ("model",))
+    per_device = max(kinds["total"] for kinds in bytes_per_device(model).values())
+    return {
+        "step_s": statistics.median(np.diff(timer.ends)[WARMUP_STEPS - 1 :]),
+        "memory": per_device,
+        "comm": model_bytes,
+    }
+
+
+def megatron_minimum(c: Config) -> int:
+    activation = c.batch * c.seq * c.width * 4
+    return 2 * (2 * c.layers + 1) * activation + 3 * c.batch * c.seq * 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model: a smoke run")
+    c = QUICK if parser.parse_args().quick else FULL
+    keras.utils.set_random_seed(0)
+    weights = build_gpt(c).get_weights()
+    rng = np.random.default_rng(0)
+    n = (c.steps + WARMUP_STEPS) * c.batch
+    tokens = rng.integers(0, c.vocab, size=(n, c.seq + 1)).astype("int32")
+    data = (tokens[:, :-1], tokens[:, 1:])
+    results = {size: run(c, size, weights, data) for size in MODEL_AXIS_SIZES}
+    one = results[1]
+    print(f"model: {c}; tensorflow {tf.__version__}, keras {keras.__version__}")
+    print()
+    print("| mesh | bytes/device | memory / ideal (<= 1.05) | comm bytes/step | comm / Megatron min (1.00) | step time / 1x1 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for size, r in results.items():
+        ideal = one["memory"] / size
+        comm_ratio = r["comm"] / megatron_minimum(c) if size > 1 else float("nan")
+        print(
+            f"| 1x{size} | {r['memory']:,} | {r['memory'] / ideal:.3f} | {r['comm']:,} "
+            f"| {comm_ratio:.3f} | {r['step_s'] / one['step_s']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
