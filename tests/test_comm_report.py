@@ -40,7 +40,10 @@ def test_two_layer_transformer_megatron_traffic():
     assert all(c.bytes == activation_bytes for c in per_layer)
     assert not [c for c in report.collectives if c.kind == "all-gather"]
     backward_model = [c for c in report.collectives if c.phase == "backward" and c.axes == ("model",)]
-    assert backward_model and all(c.bytes == activation_bytes for c in backward_model)
+    # Per layer the input gradients of attention (q, k, v summed first) and of
+    # the FFN; then the head's input gradient.
+    assert len(backward_model) == 2 * 2 + 1
+    assert all(c.bytes == activation_bytes for c in backward_model)
     # Every gradient is synchronized over "batch" at its shard size, but the
     # embedding's: its gradient is sparse (rows by id, as Keras' Embedding), and
     # Keras' Adam sums those rows into its two slots, one all-reduce each.

@@ -11,13 +11,12 @@ import tensorflow as tf
 
 from tfmp.strategy.graph_capture import is_train_step
 
-# Collective ops of TensorFlow's runtime that DTensor lowers its own to.
-_COLLECTIVE_OPS = (
-    "CollectiveReduceV2",
-    "CollectiveGatherV2",
-    "CollectiveReduceScatterV2",
-    "CollectiveAllToAllV2",
-)
+_OP_KINDS = {
+    "CollectiveReduceV2": "all-reduce",
+    "CollectiveGatherV2": "all-gather",
+    "CollectiveReduceScatterV2": "reduce-scatter",
+    "CollectiveAllToAllV2": "all-to-all",
+}
 _DTENSOR_KINDS = {
     "DTensorAllReduceOp": "all-reduce",
     "DTensorAllGatherOp": "all-gather",
@@ -119,7 +118,7 @@ def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> Com
     batch_axis = extended.placer.batch_axis
     report = CommReport(
         [_collective(node, step, mesh, optimizer, batch_axis) for node in step.node
-         if node.op in _COLLECTIVE_OPS]
+         if node.op in _OP_KINDS]
     )
     (print_fn or print)(str(report))
     return report
@@ -146,7 +145,7 @@ def _train_step_partition(function_graphs: list, mesh: Any) -> Any:
             "tfmp kept no training step graph on the mesh's first device "
             f"{mesh.devices.flat[0]}: run model.fit on this model's strategy."
         )
-    return max(partitions, key=lambda p: sum(n.op in _COLLECTIVE_OPS for n in p.node))
+    return max(partitions, key=lambda p: sum(n.op in _OP_KINDS for n in p.node))
 
 
 def _same_device(a: tf.DeviceSpec, b: tf.DeviceSpec) -> bool:
@@ -161,9 +160,9 @@ def _op_name(node: Any) -> str:
 def _collective(node, partition, mesh, optimizer, batch_axis) -> Collective:
     name = _op_name(node)
     op, _, dtensor_op = name.rpartition("/")
-    kind = _DTENSOR_KINDS.get(dtensor_op, node.op)
+    kind = _DTENSOR_KINDS.get(dtensor_op, _OP_KINDS[node.op])
     axes = _group_axes(node, partition, mesh)
-    if name.startswith("gradient_tape/"):
+    if any(part.startswith("gradient_tape") for part in name.split("/")):
         phase = "backward"
         category = "gradients" if axes == (batch_axis,) else "activations"
     elif optimizer and name.startswith(optimizer + "/"):

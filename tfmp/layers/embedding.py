@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.layers.declaring import DeclaresLayouts
+from tfmp.layers.declaring import BACKWARD_SCOPE, DeclaresLayouts
 from tfmp.layers.mesh_context import batch_spec
 from tfmp.layout import Axes
 
@@ -67,11 +67,12 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
             def grad(upstream: tf.Tensor) -> tf.IndexedSlices:
                 # The gradient Keras' Embedding has: rows of the batch, by id.
                 # Keras' TF optimizers update only those rows of the slots.
-                return tf.IndexedSlices(
-                    tf.reshape(upstream, [-1, self.output_dim]),
-                    tf.reshape(ids, [-1]),
-                    tf.shape(table, out_type=tf.int64),
-                )
+                with tf.name_scope(BACKWARD_SCOPE):
+                    return tf.IndexedSlices(
+                        tf.reshape(upstream, [-1, self.output_dim]),
+                        tf.reshape(ids, [-1]),
+                        tf.shape(table, out_type=tf.int64),
+                    )
 
             return tf.einsum(f"{dims}v,vz->{dims}z", one_hot, table), grad
 

@@ -16,6 +16,8 @@ from typing import Sequence
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfmp.layers.declaring import BACKWARD_SCOPE
+
 
 def conv2d_by_taps(
     x: tf.Tensor,
@@ -67,6 +69,10 @@ def conv2d_by_taps(
         )
 
         def grad(dy: tf.Tensor):
+            with tf.name_scope(BACKWARD_SCOPE):
+                return tap_grads(dy)
+
+        def tap_grads(dy: tf.Tensor):
             # Zeros between the rows and columns undo the stride; each tap's
             # patch gradient is dy moved to where the patch was read.
             spread = _spread(dy, rows.stride, cols.stride)
