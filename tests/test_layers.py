@@ -98,3 +98,14 @@ def test_saved_model_with_layers_reloads_with_layouts(tmp_path):
         np.testing.assert_array_equal(got, want)
     x, _ = lm_data(8)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_shards_on_each_device_match_the_summary():
+    from tfmp.inspect.summary import placements
+
+    with tfmp.ModelParallelStrategy(mesh((2, 4))).scope():
+        model = build_layers_lm()
+    rows = {row.path: row for row in placements(model)}
+    for variable in model.variables:
+        shards = dtensor.unpack(variable.value.read_value())
+        assert {tuple(s.shape) for s in shards} == {rows[variable.path].shard_shape}
