@@ -43,9 +43,9 @@ def build_cnn():
 def test_cnn_plan_is_sensible():
     planned = tfmp.auto_layout(build_cnn(), mesh((1, 8)))
     assert dict(planned.items()) == {
-        "cnn/fc1/kernel": (None, "model"),
-        "cnn/fc1/bias": ("model",),
-        "cnn/fc2/kernel": ("model", None),
+        "^cnn/fc1/kernel$": (None, "model"),
+        "^cnn/fc1/bias$": ("model",),
+        "^cnn/fc2/kernel$": ("model", None),
     }
     assert "ParallelConv2D" in planned.reasons["cnn/conv/kernel"]
     assert "no Dense follows" in planned.reasons["cnn/classifier/kernel"]
@@ -56,7 +56,7 @@ def test_indivisible_dimensions_stay_whole_with_a_reason():
         [keras.Input((6,)), keras.layers.Dense(12, name="a"), keras.layers.Dense(5, name="b")],
         name="odd",
     )
-    with pytest.warns(UserWarning, match=r"left \['odd/b/kernel'\] replicated"):
+    with pytest.warns(UserWarning, match=r"auto_layout left \['odd/b/kernel'\] replicated"):
         planned = tfmp.auto_layout(model, mesh((1, 8)))
     assert len(planned) == 0
     assert "does not divide" in planned.reasons["odd/b/kernel"]
@@ -135,3 +135,23 @@ def test_strategy_with_auto_layout_map_matches_single_device():
 def test_auto_needs_a_model_axis():
     with pytest.raises(ValueError, match="layout_map='auto' splits over mesh axis 'model' is not an axis"):
         tfmp.ModelParallelStrategy(tfmp.DeviceMesh((8,), ("batch",)), layout_map="auto")
+
+
+def test_rules_match_only_their_own_variable():
+    tokens = keras.Input((4,))
+    x = keras.layers.Dense(16, name="proj")(tokens)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    x = keras.layers.Dense(8, name="out_proj")(x)
+    planned = tfmp.auto_layout(keras.Model(tokens, x), mesh((1, 8)))
+    assert planned["proj/kernel"] is None  # unpaired: no Dense follows it directly
+    assert planned["out_proj/kernel"] is None
+    assert len(planned) == 0
+
+
+def test_auto_strategy_needs_a_built_model():
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)), layout_map="auto")
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(8), keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match=r"layout_map='auto'.*keras.Input"):
+        model.fit(np.zeros((8, 4)), np.zeros((8, 4)), verbose=0)

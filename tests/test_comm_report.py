@@ -78,3 +78,16 @@ def test_report_needs_a_trained_model():
         model = compile_mlp(build_mlp())
     with pytest.raises(ValueError, match=r"call model.fit\(...\) for at least one step"):
         tfmp.comm_report(model)
+
+
+def test_each_model_reports_its_own_step():
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
+    first = fit_one_epoch(strategy, build_mlp, compile_mlp, mlp_data(32), 16)
+    with strategy.scope():
+        second = compile_loss_only(build_layers_lm())
+    second.fit(*lm_data(32), batch_size=16, epochs=1, verbose=0)
+    ops_first = {c.op for c in tfmp.comm_report(first, print_fn=lambda _: None).collectives}
+    ops_second = {c.op for c in tfmp.comm_report(second, print_fn=lambda _: None).collectives}
+    assert any("down" in op for op in ops_first) and not any("down" in op for op in ops_second)
+    assert any("ffn_out" in op for op in ops_second)

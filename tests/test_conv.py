@@ -88,5 +88,7 @@ def test_off_the_mesh_it_is_conv2d():
 def test_bad_split_is_an_error():
     with pytest.raises(ValueError, match=r"split='rows'.*'filters', 'channels', 'spatial'"):
         tfmp.layers.ParallelConv2D(4, 3, split="rows")
+    with pytest.raises(ValueError, match="padding 'valid' or 'same'"):
+        tfmp.layers.ParallelConv2D(4, 3, padding=((1, 1), (1, 1)))
     with pytest.raises(ValueError, match="channels_last"):
         tfmp.layers.ParallelConv2D(4, 3, data_format="channels_first")

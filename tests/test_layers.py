@@ -76,6 +76,8 @@ def test_sharded_errors():
     built.build((None, 2))
     with pytest.raises(ValueError, match="already built"):
         SHARDED.Sharded(built, {"kernel": (None, True)})
+    with pytest.raises(TypeError, match=r"layouts\['bias'\] = 'model'"):
+        SHARDED.Sharded(keras.layers.Dense(3), {"bias": "model"})
     wrong = SHARDED.Sharded(keras.layers.Dense(3), {"kernal": (None, True)})
     with pytest.raises(ValueError, match=r"'kernal'.*its weights are"):
         wrong.build((None, 2))

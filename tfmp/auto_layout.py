@@ -18,6 +18,7 @@ does not divide by the axis size is left whole, with the reason recorded.
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from typing import Any, Iterable
 
@@ -69,7 +70,8 @@ def auto_layout(model: Any, mesh: Any, axis: str = "model") -> LayoutMap:
         axis: The mesh axis to split weights over.
 
     Returns:
-        A `tfmp.LayoutMap` with one exact rule per split variable path.
+        A `tfmp.LayoutMap` with one rule per split variable, matching exactly
+        its path (`^path$`).
         `layout_map.reasons` says, per variable left whole, why.
 
     Example:
@@ -89,12 +91,13 @@ def auto_layout(model: Any, mesh: Any, axis: str = "model") -> LayoutMap:
     plan = plan_layers(leaf_layers(model), axis, mesh.axis_size(axis))
     layout_map = LayoutMap(mesh)
     for path, axes in plan.rules.items():
-        layout_map[path] = axes
+        # Anchored: "proj/kernel" must not also match "out_proj/kernel".
+        layout_map[f"^{re.escape(path)}$"] = axes
     layout_map.reasons = plan.reasons
     undivided = [path for path, why in plan.reasons.items() if "does not divide" in why]
     if undivided:
         warnings.warn(
-            f"tfmp.auto_layout left {undivided} replicated: their split dimension "
+            f"tfmp: auto_layout left {undivided} replicated: their split dimension "
             f"does not divide by {axis!r}. See layout_map.reasons.",
             stacklevel=2,
         )

@@ -9,7 +9,8 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from tfmp.strategy.graph_capture import is_train_step
+from tfmp.strategy.extended import ModelParallelExtended
+from tfmp.strategy.graph_capture import first_step_graphs_of, is_train_step
 
 _OP_KINDS = {
     "CollectiveReduceV2": "all-reduce",
@@ -79,7 +80,7 @@ def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> Com
     """Reports the collectives DTensor inserted into the model's train step.
 
     tfmp keeps the per-device graphs DTensor ran for the first batches of the
-    first `fit` (later steps are not slowed); this reads the train step's graph
+    model's first `fit` (later steps are not slowed); this reads the train step's graph
     of one device and classifies each collective by mesh axis, kind and phase.
     Bytes are the size of each reduced or gathered tensor on one device.
 
@@ -100,12 +101,12 @@ def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> Com
     >>> report = tfmp.comm_report(model)  # doctest: +SKIP
     """
     extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
-    graphs = getattr(extended, "first_step_graphs", None)
-    if graphs is None:
+    if not isinstance(extended, ModelParallelExtended):
         raise ValueError(
             f"Model {model.name!r} was not built under a tfmp.ModelParallelStrategy: "
             "there are no mesh collectives to report."
         )
+    graphs = first_step_graphs_of(model)
     graphs.finish()
     if not any(map(is_train_step, graphs.function_graphs)):
         raise ValueError(

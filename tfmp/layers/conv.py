@@ -26,10 +26,12 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
     - `split="channels"`: the kernel is split on input channels (row-parallel,
       e.g. after a filter-split conv); one all-reduce of the output forward.
     - `split="spatial"`: the kernel is replicated and the activations' height is
-      split over `axis`. On CPU and GPU DTensor has no border exchange between
-      neighbouring devices, so this layer gathers the height of its input over
-      `axis` before convolving (warned once); the output is split again when
-      its height divides by the axis size.
+      split over `axis` between layers. DTensor exchanges borders between
+      neighbouring devices only on TPU, and tfmp does not use that yet: this
+      layer gathers its input's height over `axis` before convolving (warned
+      once) and splits the output again when its height divides by the axis
+      size. That keeps activations split between layers; each device still
+      convolves the whole height, so it saves memory, not compute.
 
     On a mesh these run as a sum over kernel taps of channel matmuls (DTensor's
     own Conv2D refuses split kernels); off the mesh this is `keras.layers.Conv2D`.
@@ -64,6 +66,10 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
         if split not in SPLITS:
             raise ValueError(
                 f"ParallelConv2D(split={split!r}) is not a split; use one of {SPLITS}."
+            )
+        if self.padding not in ("valid", "same"):
+            raise ValueError(
+                f"ParallelConv2D supports padding 'valid' or 'same', got {self.padding!r}."
             )
         if self.data_format != "channels_last" or self.groups != 1:
             raise ValueError(

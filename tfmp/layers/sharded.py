@@ -14,6 +14,9 @@ from tfmp.layout import Axes
 class Sharded(DeclaresLayouts, keras.layers.Wrapper):
     """Wraps a Keras layer and declares the layouts of its weights.
 
+    The layer is built with one input shape (`keras.layers.Wrapper`), so use
+    `ParallelMultiHeadAttention` rather than wrapping a `MultiHeadAttention`.
+
     Args:
         layer: An unbuilt Keras layer.
         layouts: Weight path relative to the layer (`"kernel"`, `"bias"`,
@@ -45,6 +48,12 @@ class Sharded(DeclaresLayouts, keras.layers.Wrapper):
                 f"Sharded({layer.name!r}) got a layer that is already built, so its "
                 "weights exist and can no longer be laid out. Pass an unbuilt layer."
             )
+        for key, axes in layouts.items():
+            if isinstance(axes, str) or not isinstance(axes, (tuple, list)):
+                raise TypeError(
+                    f"Sharded layouts[{key!r}] = {axes!r}: give one entry per "
+                    "dimension, such as (None, 'model') or (None, True)."
+                )
         super().__init__(layer, **kwargs)
         self.layouts = {key: tuple(axes) for key, axes in layouts.items()}
         self.axis = axis

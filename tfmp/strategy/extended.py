@@ -14,7 +14,7 @@ from tensorflow.python.distribute import distribute_lib
 from tfmp.auto_layout import auto_layout
 from tfmp.layout import LayoutMap, axes_to_layout, declared_layout
 from tfmp.mesh import DeviceMesh
-from tfmp.strategy.graph_capture import FirstStepGraphs
+from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import MeshDataset
 from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
@@ -103,21 +103,29 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         rule, axes = match
         return axes_to_layout(axes, self.mesh, shape, path, f"LayoutMap rule {rule!r}")
 
+    def prepare(self, model: Any) -> None:
+        """Called as `model` starts fit, evaluate, predict or `*_on_batch`.
+
+        Lays out its variables with `layout_map="auto"`, and makes the graphs
+        of the batches fed next that model's.
+        """
+        self.apply_auto_layouts(model)
+        self.first_step_graphs = first_step_graphs_of(model)
+
     def apply_auto_layouts(self, model: Any) -> None:
         """With `layout_map="auto"`: plans the model's layouts and moves its
         variables to them, once, before its optimizer has slots."""
         if self.auto_axis is None or model.__dict__.get("_tfmp_auto_planned"):
             return
         optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and optimizer.built and optimizer.variables:
+        if not model.built or (optimizer is not None and optimizer.built):
             raise ValueError(
-                f"layout_map='auto' lays out model {model.name!r} when it first "
-                "trains or predicts, but its optimizer already has variables. Build "
-                "and compile the model in the strategy's scope and call fit first."
+                f"layout_map='auto' lays out model {model.name!r} before it first "
+                "trains or predicts, so the model must be built (give it a "
+                "keras.Input, or call model.build(input_shape) in the strategy's "
+                "scope) and its optimizer not yet built."
             )
         object.__setattr__(model, "_tfmp_auto_planned", True)
-        if not model.built:
-            return  # built lazily in the scope: planned at the next call
         plan = auto_layout(model, self.mesh, self.auto_axis)
         for variable in model.variables:
             match = plan.match(variable.path)

@@ -71,3 +71,13 @@ def is_train_step(function_graph: Any) -> bool:
         for partition in function_graph.partition_graphs
         for node in partition.node
     )
+
+
+def first_step_graphs_of(model: Any) -> FirstStepGraphs:
+    """The graphs kept for `model` (created empty the first time)."""
+    graphs = model.__dict__.get("_tfmp_first_step_graphs")
+    if graphs is None:
+        graphs = FirstStepGraphs()
+        # Set past Keras' attribute tracking: this is no part of the model.
+        object.__setattr__(model, "_tfmp_first_step_graphs", graphs)
+    return graphs

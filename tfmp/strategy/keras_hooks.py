@@ -5,8 +5,9 @@ tensors, which DTensor refuses to mix with mesh variables. tfmp wraps
 `Layer.__call__` and those methods once so that, for a model whose variables
 live on a tfmp mesh, host inputs are packed onto the mesh (split over the batch
 axis), the call runs as a function on the mesh, and outputs come back whole.
-`fit`, `evaluate`, `predict` and the `*_on_batch` methods first let a strategy
-with `layout_map="auto"` lay out the model's variables. Anything else passes
+`fit`, `evaluate`, `predict` and the `*_on_batch` methods first tell the
+model's strategy which model runs (to lay it out with `layout_map="auto"`, and
+to keep its first step's graphs for `tfmp.comm_report`). Anything else passes
 through untouched.
 """
 
@@ -41,7 +42,7 @@ def install() -> None:
     for name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
         setattr(TensorFlowTrainer, name, _on_batch(getattr(TensorFlowTrainer, name)))
     for name in ("fit", "evaluate", "predict"):
-        setattr(TensorFlowTrainer, name, _planned(getattr(TensorFlowTrainer, name)))
+        setattr(TensorFlowTrainer, name, _prepared(getattr(TensorFlowTrainer, name)))
 
 
 def placer_for(layer: Any) -> BatchPlacer | None:
@@ -63,16 +64,16 @@ def _extended_of(strategy: Any) -> ModelParallelExtended | None:
     return extended if isinstance(extended, ModelParallelExtended) else None
 
 
-def _plan(model: Any) -> None:
+def _prepare(model: Any) -> None:
     extended = _extended_of(getattr(model, "_distribute_strategy", None))
     if extended is not None:
-        extended.apply_auto_layouts(model)
+        extended.prepare(model)
 
 
-def _planned(method: Callable) -> Callable:
+def _prepared(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        _plan(self)
+        _prepare(self)
         return method(self, *args, **kwargs)
 
     return wrapper
@@ -136,7 +137,7 @@ def _on_batch(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        _plan(self)
+        _prepare(self)
         placer = placer_for(self)
         if placer is None:
             return method(self, *args, **kwargs)
