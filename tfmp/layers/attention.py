@@ -33,8 +33,7 @@ class ParallelMultiHeadAttention(DeclaresLayouts, keras.layers.MultiHeadAttentio
     """
 
     def __init__(self, num_heads: int, key_dim: int, axis: str = "model", **kwargs: Any):
-        super().__init__(num_heads, key_dim, **kwargs)
-        self.axis = axis
+        super().__init__(num_heads, key_dim, axis=axis, **kwargs)
 
     def weight_layouts(self) -> dict[str, Axes]:
         heads = (None, self.axis, None)
@@ -74,8 +73,6 @@ class ParallelMultiHeadAttention(DeclaresLayouts, keras.layers.MultiHeadAttentio
             for name, layer in saved.items():
                 object.__setattr__(self, name, layer)
 
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "axis": self.axis}
 
 
 def _plain_einsum_dense(layer: Any) -> bool:

@@ -62,7 +62,7 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
         axis: str = "model",
         **kwargs: Any,
     ):
-        super().__init__(filters, kernel_size, **kwargs)
+        super().__init__(filters, kernel_size, axis=axis, **kwargs)
         if split not in SPLITS:
             raise ValueError(
                 f"ParallelConv2D(split={split!r}) is not a split; use one of {SPLITS}."
@@ -77,7 +77,6 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
                 f"data_format={self.data_format!r}, groups={self.groups}."
             )
         self.split = split
-        self.axis = axis
         self._warned_gather = False
 
     def weight_layouts(self) -> dict[str, Axes]:
@@ -129,7 +128,7 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
         )
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "split": self.split, "axis": self.axis}
+        return {**super().get_config(), "split": self.split}
 
 
 def _layout(

@@ -16,15 +16,17 @@ BACKWARD_SCOPE = "gradient_tape"
 class DeclaresLayouts:
     """Mixin for Keras layers that declare the layouts of their weights.
 
-    A subclass implements `weight_layouts()`: weight path relative to the layer
+    It takes the `axis` argument (the mesh axis to split over) of every tfmp
+    layer. A subclass implements `weight_layouts()`: weight path relative to the layer
     (`"kernel"`, `"query/kernel"`) -> mesh axes. In a `ModelParallelStrategy`
     scope the weights get those layouts, winning over the strategy's LayoutMap
     (a rule that disagrees is an error). Outside a scope, or on a mesh without
     the axis, the layer is its plain Keras counterpart.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, axis: str = "model", **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.axis = axis
         # Wrap the instance's build (Keras' own per-instance wrapper, which
         # keeps the build signature Keras reads the input shapes from), so that
         # every path to it (first call, Sequential, loading) declares layouts.
@@ -41,3 +43,6 @@ class DeclaresLayouts:
 
     def weight_layouts(self) -> dict[str, Axes]:
         raise NotImplementedError
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "axis": self.axis}

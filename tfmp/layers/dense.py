@@ -33,14 +33,11 @@ class ColumnParallelDense(DeclaresLayouts, keras.layers.Dense):
     """
 
     def __init__(self, units: int, axis: str = "model", **kwargs: Any):
-        super().__init__(units, **kwargs)
-        self.axis = axis
+        super().__init__(units, axis=axis, **kwargs)
 
     def weight_layouts(self) -> dict[str, Axes]:
         return {"kernel": (None, self.axis), "bias": (self.axis,)}
 
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "axis": self.axis}
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
@@ -63,11 +60,8 @@ class RowParallelDense(DeclaresLayouts, keras.layers.Dense):
     """
 
     def __init__(self, units: int, axis: str = "model", **kwargs: Any):
-        super().__init__(units, **kwargs)
-        self.axis = axis
+        super().__init__(units, axis=axis, **kwargs)
 
     def weight_layouts(self) -> dict[str, Axes]:
         return {"kernel": (self.axis, None)}
 
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "axis": self.axis}

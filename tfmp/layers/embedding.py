@@ -39,8 +39,7 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
     """
 
     def __init__(self, input_dim: int, output_dim: int, axis: str = "model", **kwargs: Any):
-        super().__init__(input_dim, output_dim, **kwargs)
-        self.axis = axis
+        super().__init__(input_dim, output_dim, axis=axis, **kwargs)
 
     def weight_layouts(self) -> dict[str, Axes]:
         return {"embeddings": (self.axis, None)}
@@ -78,5 +77,3 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
 
         return lookup(table)
 
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "axis": self.axis}

@@ -54,9 +54,8 @@ class Sharded(DeclaresLayouts, keras.layers.Wrapper):
                     f"Sharded layouts[{key!r}] = {axes!r}: give one entry per "
                     "dimension, such as (None, 'model') or (None, True)."
                 )
-        super().__init__(layer, **kwargs)
+        super().__init__(layer, axis=axis, **kwargs)
         self.layouts = {key: tuple(axes) for key, axes in layouts.items()}
-        self.axis = axis
 
     def weight_layouts(self) -> dict[str, Axes]:
         return {
@@ -91,4 +90,4 @@ class Sharded(DeclaresLayouts, keras.layers.Wrapper):
             key: value for key, value in config["layer"].items() if key != "build_config"
         }
         layouts = {key: list(axes) for key, axes in self.layouts.items()}
-        return {**config, "layouts": layouts, "axis": self.axis}
+        return {**config, "layouts": layouts}
