@@ -72,9 +72,9 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             return to_layout(value, layout)
 
         with dtensor.default_mesh(self.mesh.dtensor_mesh):
-            variable = ShardedVariable(initial_value_on_mesh, path=path, **kwargs)
-        variable.placer = self.placer
-        return variable
+            return ShardedVariable(
+                initial_value_on_mesh, path=path, placer=self.placer, **kwargs
+            )
 
     def _layout_for(
         self, path: str, shape: tf.TensorShape, colocate_with: Any, keras_variable: Any
@@ -131,21 +131,22 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             match = plan.match(variable.path)
             if match is None:
                 continue
-            layout = axes_to_layout(match[1], self.mesh, variable.shape, variable.path, "auto_layout")
+            layout = axes_to_layout(
+                match[1], self.mesh, variable.shape, variable.path, "auto_layout"
+            )
             variable._value = self._relaid(variable.value, layout)  # noqa: SLF001
         self.layout_map = plan
 
     def _relaid(self, variable: ShardedVariable, layout: dtensor.Layout) -> ShardedVariable:
         with dtensor.default_mesh(self.mesh.dtensor_mesh):
-            relaid = ShardedVariable(
+            return ShardedVariable(
                 to_layout(variable.read_value(), layout),
                 path=variable.path,
+                placer=self.placer,
                 name=variable.name.split(":")[0],
                 trainable=variable.trainable,
                 dtype=variable.dtype,
             )
-        relaid.placer = self.placer
-        return relaid
 
     def _validate_colocate_with_variable(self, colocate_with_variable: Any) -> None:
         pass

@@ -20,9 +20,12 @@ class ShardedVariable(dtensor.DVariable):
     it to numpy gathers the shards.
     """
 
-    def __init__(self, initial_value: Any, *args, path: str = "", **kwargs):
+    def __init__(
+        self, initial_value: Any, *args, path: str = "", placer: Any = None, **kwargs
+    ):
         super().__init__(initial_value, *args, **kwargs)
         self.path = path or self.name
+        self.placer = placer  # packs host batches for models using this variable
 
     def _on_mesh(self, value: Any) -> Any:
         if tf.executing_eagerly():
