@@ -12,7 +12,7 @@ from tfmp._env import configure_dtensor_environment
 
 configure_dtensor_environment()
 
-from tfmp import layers  # noqa: E402
+from tfmp import callbacks, layers  # noqa: E402
 from tfmp.auto_layout import auto_layout  # noqa: E402
 from tfmp.devices import list_devices, simulate_devices  # noqa: E402
 from tfmp.inspect.comm_report import comm_report  # noqa: E402
@@ -30,6 +30,7 @@ __all__ = [
     "auto_layout",
     "comm_report",
     "list_devices",
+    "callbacks",
     "layers",
     "simulate_devices",
     "summary",

@@ -1,0 +1,141 @@
+"""`GradientSyncMonitor`: what a step communicates, and whether replicas agree."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfmp.inspect.comm_report import comm_report
+
+ON_MISMATCH = ("warn", "stop")
+
+
+class GradientSyncMonitor(keras.callbacks.Callback):
+    """Reports gradient synchronization and checks that replicas stay equal.
+
+    - After the first epoch: the collectives of one training step per device,
+      from `tfmp.comm_report` (no cost to later steps): `sync/gradient_bytes`
+      (gradient synchronization), `sync/activation_bytes` (forward and
+      backward activations), `sync/collectives` and `sync/<axis>/bytes`. Under
+      `tf.distribute.MirroredStrategy`, `sync/gradient_bytes` is the bytes of
+      the trainable variables it all-reduces each step.
+    - Every `check_every_n_epochs` epochs: every copy of every replicated
+      variable, and of every replicated shard, is compared bit for bit across
+      devices (model and optimizer variables). `sync/mismatched_variables`
+      counts those that differ; each is warned about with its path and largest
+      difference, and with `on_mismatch="stop"` training stops.
+
+    Args:
+        check_every_n_epochs: Epochs between replica checks (0: never).
+        on_mismatch: `"warn"` or `"stop"`.
+
+    Example:
+
+    >>> monitor = tfmp.callbacks.GradientSyncMonitor(on_mismatch="stop")
+    >>> model.fit(x, y, epochs=3, callbacks=[monitor])  # doctest: +SKIP
+    """
+
+    def __init__(self, check_every_n_epochs: int = 1, on_mismatch: str = "warn"):
+        super().__init__()
+        if on_mismatch not in ON_MISMATCH:
+            raise ValueError(
+                f"GradientSyncMonitor(on_mismatch={on_mismatch!r}): use one of {ON_MISMATCH}."
+            )
+        self.check_every_n_epochs = check_every_n_epochs
+        self.on_mismatch = on_mismatch
+        self.traffic: dict[str, float] | None = None
+        self.mismatches: list[tuple[str, float]] = []
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        logs = logs if logs is not None else {}
+        if self.traffic is None:
+            self.traffic = step_traffic(self.model)
+        logs.update(self.traffic)
+        if self.check_every_n_epochs and (epoch + 1) % self.check_every_n_epochs == 0:
+            self.mismatches = replica_mismatches(self.model)
+            logs["sync/mismatched_variables"] = float(len(self.mismatches))
+            for path, difference in self.mismatches:
+                warnings.warn(
+                    f"tfmp: the copies of {path!r} differ across devices (largest "
+                    f"difference {difference:g}): replicas have drifted apart.",
+                    stacklevel=2,
+                )
+            if self.mismatches and self.on_mismatch == "stop":
+                self.model.stop_training = True
+
+
+def step_traffic(model: Any) -> dict[str, float]:
+    """Bytes per device one training step communicates, by kind and mesh axis."""
+    strategy = model.distribute_strategy
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        size = sum(
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in model.trainable_variables
+        )
+        return {"sync/gradient_bytes": float(size), "sync/activation_bytes": 0.0}
+    report = comm_report(model, print_fn=lambda _: None)
+    traffic = {
+        "sync/gradient_bytes": 0.0,
+        "sync/activation_bytes": 0.0,
+        "sync/collectives": float(len(report.collectives)),
+    }
+    for collective in report.collectives:
+        kind = "gradient" if collective.category != "activations" else "activation"
+        traffic[f"sync/{kind}_bytes"] += collective.bytes
+        key = f"sync/{','.join(collective.axes)}/bytes"
+        traffic[key] = traffic.get(key, 0.0) + collective.bytes
+    return traffic
+
+
+def replica_mismatches(model: Any) -> list[tuple[str, float]]:
+    """(path, largest difference) of each variable whose copies differ."""
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        variables += list(optimizer.variables)
+    mismatches = []
+    for variable in variables:
+        difference = _largest_copy_difference(getattr(variable, "value", variable))
+        if difference is not None:
+            mismatches.append((variable.path, difference))
+    return mismatches
+
+
+def _largest_copy_difference(variable: Any) -> float | None:
+    """The largest difference between copies that must be equal, or None."""
+    groups = _copy_groups(variable)
+    largest = None
+    for copies in groups:
+        reference = copies[0]
+        for copy in copies[1:]:
+            if not np.array_equal(copy, reference, equal_nan=True):
+                difference = float(np.nanmax(np.abs(copy.astype("float64") - reference)))
+                largest = difference if largest is None else max(largest, difference)
+    return largest
+
+
+def _copy_groups(variable: Any) -> list[list[np.ndarray]]:
+    """The host copies of each distinct shard (or of the whole variable)."""
+    layout = getattr(variable, "layout", None)
+    if layout is not None:
+        # Each device's own copy: a DTensor read of a replicated variable would
+        # hand back one device's value for all.
+        shards = [_read_copy(handle, variable.dtype) for handle in dtensor.unpack(variable.handle)]
+        sharded_axes = [s for s in layout.sharding_specs if s != dtensor.UNSHARDED]
+        groups: dict[tuple, list[np.ndarray]] = {}
+        for location, shard in zip(layout.mesh.local_device_locations(), shards):
+            groups.setdefault(tuple(location[a] for a in sharded_axes), []).append(shard)
+        return list(groups.values())
+    values = getattr(variable, "values", None)  # a MirroredVariable's copies
+    if values is not None:
+        return [[v.numpy() for v in values]]
+    return []
+
+
+def _read_copy(handle: tf.Tensor, dtype: tf.DType) -> np.ndarray:
+    with tf.device(handle.device):
+        return tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype).numpy()

@@ -1,0 +1,153 @@
+"""`DeviceMemoryMonitor`: what each device of the mesh holds, step by step."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import warnings
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfmp.inspect.summary import bytes_per_device
+
+
+class DeviceMemoryMonitor(keras.callbacks.Callback):
+    """Logs per-device memory: measured where TensorFlow can, derived always.
+
+    Every `every_n_steps` training steps, and in each epoch's logs (so in
+    `History` and `keras.callbacks.TensorBoard`), it records:
+
+    - `mem/<device>/param_bytes` (derived): bytes of the parameter and
+      optimizer-slot shards the device holds, from the variables' layouts;
+    - `mem/<device>/current_bytes`, `mem/<device>/peak_bytes` (measured): from
+      `tf.config.experimental.get_memory_info` on GPU and TPU, the peak reset
+      after each reading. CPU devices have no per-device allocator, so these
+      are absent there;
+    - `mem/process/max_rss_bytes` (measured): the process's peak resident size.
+
+    `<device>` is the short device name, such as `CPU_3` or `GPU_0`. It warns
+    when a device's peak passes `warn_fraction` of its memory limit, or when
+    one device holds more than `imbalance_ratio` times the mesh mean.
+
+    Args:
+        every_n_steps: Steps between readings.
+        warn_fraction: Fraction of a device's memory limit that warns.
+        imbalance_ratio: Ratio of a device's bytes to the mesh mean that warns.
+
+    Example:
+
+    >>> monitor = tfmp.callbacks.DeviceMemoryMonitor(every_n_steps=10)
+    >>> model.fit(x, y, callbacks=[monitor])  # doctest: +SKIP
+    >>> history.history["mem/CPU_0/param_bytes"]  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        warn_fraction: float = 0.9,
+        imbalance_ratio: float = 1.5,
+    ):
+        super().__init__()
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps}: must be at least 1.")
+        self.every_n_steps = every_n_steps
+        self.warn_fraction = warn_fraction
+        self.imbalance_ratio = imbalance_ratio
+        self.latest: dict[str, float] = {}
+        self._steps = 0
+        self._param_bytes: dict[str, int] = {}
+        self._warned: set[str] = set()
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._param_bytes = {}
+        self._read()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._steps += 1
+        if self._steps % self.every_n_steps == 0:
+            self._read()
+            if logs is not None:
+                logs.update(self.latest)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._read()
+        if logs is not None:
+            logs.update(self.latest)
+
+    def _read(self) -> None:
+        optimizer = self.model.optimizer
+        if not self._param_bytes and optimizer is not None and optimizer.built:
+            # Computed once, from the layouts: they do not change while training.
+            self._param_bytes = {
+                device: kinds["total"]
+                for device, kinds in bytes_per_device(self.model).items()
+            }
+        for device, size in self._param_bytes.items():
+            self.latest[f"mem/{short_name(device)}/param_bytes"] = float(size)
+        for device in self._param_bytes:
+            info = _memory_info(device)
+            if info is None:
+                continue
+            name = short_name(device)
+            self.latest[f"mem/{name}/current_bytes"] = float(info["current"])
+            self.latest[f"mem/{name}/peak_bytes"] = float(info["peak"])
+            tf.config.experimental.reset_memory_stats(device)
+            self._check_limit(device, info["peak"])
+        self.latest["mem/process/max_rss_bytes"] = float(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        )
+        self._check_balance()
+
+    def _check_limit(self, device: str, peak: int) -> None:
+        limit = _memory_limit(device)
+        if limit and peak > self.warn_fraction * limit and device not in self._warned:
+            self._warned.add(device)
+            warnings.warn(
+                f"tfmp: {device} peaked at {peak:,} bytes, over {self.warn_fraction:.0%} "
+                f"of its {limit:,}-byte limit. Split more weights over the mesh or lower "
+                "the batch size before it runs out of memory.",
+                stacklevel=2,
+            )
+
+    def _check_balance(self) -> None:
+        if len(self._param_bytes) < 2 or "imbalance" in self._warned:
+            return
+        mean = statistics.mean(self._param_bytes.values())
+        device, largest = max(self._param_bytes.items(), key=lambda item: item[1])
+        if mean and largest > self.imbalance_ratio * mean:
+            self._warned.add("imbalance")
+            warnings.warn(
+                f"tfmp: {device} holds {largest:,} bytes of parameters and optimizer "
+                f"slots, {largest / mean:.1f}x the mesh mean of {mean:,.0f}. See "
+                "tfmp.summary(model) for which variables are not split.",
+                stacklevel=2,
+            )
+
+
+def short_name(device: str) -> str:
+    """`/job:localhost/replica:0/task:0/device:CPU:3` -> `CPU_3` (task > 0 kept)."""
+    spec = tf.DeviceSpec.from_string(device)
+    task = f"task{spec.task}_" if spec.task else ""
+    return f"{task}{spec.device_type}_{spec.device_index}"
+
+
+def _memory_info(device: str) -> dict | None:
+    if tf.DeviceSpec.from_string(device).device_type == "CPU":
+        return None  # no per-device allocator on CPU
+    try:
+        return tf.config.experimental.get_memory_info(device)
+    except (ValueError, tf.errors.InvalidArgumentError):
+        return None
+
+
+def _memory_limit(device: str) -> int | None:
+    """The memory limit given to a logical device, in bytes, if one was set."""
+    spec = tf.DeviceSpec.from_string(device)
+    physical = tf.config.list_physical_devices(spec.device_type)
+    configs = tf.config.get_logical_device_configuration(physical[0]) if physical else None
+    if not configs or spec.device_index >= len(configs):
+        return None
+    limit_mb = configs[spec.device_index].memory_limit
+    return limit_mb * 1024 * 1024 if limit_mb else None
