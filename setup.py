@@ -11,6 +11,9 @@ setup(
     packages=find_packages(include=["tfmp", "tfmp.*"]),
     python_requires=">=3.10",
     install_requires=["tensorflow>=2.20,<2.22", "keras>=3.10", "numpy"],
-    extras_require={"test": ["pytest>=7", "h5py", "tensorboard"]},
+    extras_require={
+        "test": ["pytest>=7", "h5py", "tensorboard", "matplotlib"],
+        "plot": ["matplotlib"],
+    },
     entry_points={"console_scripts": ["tfmp=tfmp.cli:main"]},
 )

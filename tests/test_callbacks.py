@@ -101,3 +101,18 @@ def test_bad_arguments():
         tfmp.callbacks.GradientSyncMonitor(on_mismatch="halt")
     with pytest.raises(ValueError, match="every_n_steps=0"):
         tfmp.callbacks.DeviceMemoryMonitor(every_n_steps=0)
+
+
+def test_plot_memory_writes_a_png_from_history_and_logdir(tmp_path):
+    model = build_on(strategy_2x4(), "mlp", WEIGHTS)
+    board = keras.callbacks.TensorBoard(str(tmp_path / "logs"))
+    history = model.fit(
+        *mlp_data(32), batch_size=16, epochs=2, verbose=0,
+        callbacks=[tfmp.callbacks.DeviceMemoryMonitor(), board],
+    )
+    for source, name in ((history, "history.png"), (str(tmp_path / "logs"), "logdir.png")):
+        path = tfmp.plot_memory(source, str(tmp_path / name))
+        with open(path, "rb") as png:
+            assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="DeviceMemoryMonitor"):
+        tfmp.plot_memory({"loss": [1.0]}, str(tmp_path / "none.png"))

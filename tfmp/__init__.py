@@ -14,6 +14,7 @@ configure_dtensor_environment()
 
 from tfmp import callbacks, layers  # noqa: E402
 from tfmp.auto_layout import auto_layout  # noqa: E402
+from tfmp.callbacks import plot_memory  # noqa: E402
 from tfmp.devices import list_devices, simulate_devices  # noqa: E402
 from tfmp.inspect.comm_report import comm_report  # noqa: E402
 from tfmp.inspect.summary import summary  # noqa: E402
@@ -30,6 +31,7 @@ __all__ = [
     "auto_layout",
     "comm_report",
     "list_devices",
+    "plot_memory",
     "callbacks",
     "layers",
     "simulate_devices",
