@@ -9,7 +9,8 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map
+from tfmp.callbacks.plot import _memory_series
+from helpers import MODELS, build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map
 
 WEIGHTS = initial_weights(build_mlp)
 # Per device on 2x4: up 16x32/4 + 32/4, down 32x8/4 + 8 (bias replicated).
@@ -82,11 +83,12 @@ def test_mirrored_strategy_is_supported():
     strategy = tf.distribute.MirroredStrategy(
         ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
     )
-    with strategy.scope():
-        model = build_mlp()
-        model.compile(optimizer="adam", loss="mse")
-    monitor = tfmp.callbacks.GradientSyncMonitor(on_mismatch="stop")
+    model = build_on(strategy, "mlp", WEIGHTS)
+    monitor = tfmp.callbacks.GradientSyncMonitor(on_mismatch="stop", grad_norms=True)
     x, y = mlp_data(32)
+    history = model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    for variable, norm in zip(model.trainable_variables, reference_gradient_norms("mlp", x[:16], y[:16])):
+        np.testing.assert_allclose(history.history[f"grad_norm/{variable.path}"][0], norm, rtol=1e-5)
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
     assert history.history["sync/gradient_bytes"] == [4 * (16 * 32 + 32 + 32 * 8 + 8)]
     assert history.history["sync/mismatched_variables"] == [0.0]
@@ -110,9 +112,42 @@ def test_plot_memory_writes_a_png_from_history_and_logdir(tmp_path):
         *mlp_data(32), batch_size=16, epochs=2, verbose=0,
         callbacks=[tfmp.callbacks.DeviceMemoryMonitor(), board],
     )
-    for source, name in ((history, "history.png"), (str(tmp_path / "logs"), "logdir.png")):
+    model.fit(
+        *mlp_data(32), batch_size=8, epochs=1, verbose=0,
+        callbacks=[tfmp.callbacks.DeviceMemoryMonitor(every_n_steps=2, log_dir=tmp_path / "steps")],
+    )
+    series, x_label = _memory_series(str(tmp_path / "steps"))
+    assert x_label == "step"
+    assert series["CPU_0", "param"][0] == [0, 2, 4]  # the start, then every 2 of 4 steps
+    sources = ((history, "history.png"), (str(tmp_path / "logs"), "logdir.png"), (str(tmp_path / "steps"), "steps.png"))
+    for source, name in sources:
         path = tfmp.plot_memory(source, str(tmp_path / name))
         with open(path, "rb") as png:
             assert png.read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="DeviceMemoryMonitor"):
         tfmp.plot_memory({"loss": [1.0]}, str(tmp_path / "none.png"))
+
+
+def reference_gradient_norms(name, x, y):
+    """Norms of one device's gradients at the initial weights, by tape."""
+    model = build_on(None, name, initial_weights(MODELS[name][0]))
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+    gradients = tape.gradient(loss, model.trainable_variables)
+    return [float(tf.norm(tf.convert_to_tensor(g))) for g in gradients]
+
+
+@pytest.mark.parametrize("name", ["mlp", "layers"])
+def test_gradient_norms_equal_one_device(name):
+    x, y = MODELS[name][3](16)
+    expected = reference_gradient_norms(name, x, y)
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)), MODELS[name][1](mesh((2, 4))))
+    model = build_on(strategy, name, initial_weights(MODELS[name][0]))
+    monitor = tfmp.callbacks.GradientSyncMonitor(grad_norms=True)
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    for variable, norm in zip(model.trainable_variables, expected):
+        np.testing.assert_allclose(
+            history.history[f"grad_norm/{variable.path}"][0], norm, rtol=1e-5, atol=1e-6
+        )
+    global_norm = np.sqrt(sum(n * n for n in expected))
+    np.testing.assert_allclose(history.history["grad_norm/global"][0], global_norm, rtol=1e-5)

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfmp.callbacks.gradient_norms import GradientNormRecorder
 from tfmp.inspect.comm_report import comm_report
 
 ON_MISMATCH = ("warn", "stop")
@@ -29,10 +30,16 @@ class GradientSyncMonitor(keras.callbacks.Callback):
       devices (model and optimizer variables). `sync/mismatched_variables`
       counts those that differ; each is warned about with its path and largest
       difference, and with `on_mismatch="stop"` training stops.
+    - With `grad_norms=True`, at each epoch end: `grad_norm/global` and
+      `grad_norm/<variable path>`, the norms of the synchronized gradients of
+      the epoch's last step (the gradients the optimizer applies).
 
     Args:
         check_every_n_epochs: Epochs between replica checks (0: never).
         on_mismatch: `"warn"` or `"stop"`.
+        grad_norms: Whether to log gradient norms. Costs one norm per
+            variable per step, and under tfmp one scalar reduction per split
+            variable.
 
     Example:
 
@@ -40,7 +47,12 @@ class GradientSyncMonitor(keras.callbacks.Callback):
     >>> model.fit(x, y, epochs=3, callbacks=[monitor])  # doctest: +SKIP
     """
 
-    def __init__(self, check_every_n_epochs: int = 1, on_mismatch: str = "warn"):
+    def __init__(
+        self,
+        check_every_n_epochs: int = 1,
+        on_mismatch: str = "warn",
+        grad_norms: bool = False,
+    ):
         super().__init__()
         if on_mismatch not in ON_MISMATCH:
             raise ValueError(
@@ -50,12 +62,21 @@ class GradientSyncMonitor(keras.callbacks.Callback):
         self.on_mismatch = on_mismatch
         self.traffic: dict[str, float] | None = None
         self.mismatches: list[tuple[str, float]] = []
+        self.grad_norms = grad_norms
+        self._norm_recorder: GradientNormRecorder | None = None
+
+    def set_model(self, model: keras.Model) -> None:
+        super().set_model(model)
+        if self.grad_norms and getattr(self._norm_recorder, "model", None) is not model:
+            self._norm_recorder = GradientNormRecorder(model)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
         if self.traffic is None:
             self.traffic = step_traffic(self.model)
         logs.update(self.traffic)
+        if self._norm_recorder is not None:
+            logs.update(self._norm_recorder.logs())
         if self.check_every_n_epochs and (epoch + 1) % self.check_every_n_epochs == 0:
             self.mismatches = replica_mismatches(self.model)
             logs["sync/mismatched_variables"] = float(len(self.mismatches))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import warnings
@@ -27,6 +28,11 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
       are absent there;
     - `mem/process/max_rss_bytes` (measured): the process's peak resident size.
 
+    With `log_dir`, every reading is also written as a TensorBoard scalar at
+    its training step, to the `memory` run of `log_dir` (the same directory
+    as `keras.callbacks.TensorBoard` may be given): per-step curves, where the
+    logs only carry one value per epoch.
+
     `<device>` is the short device name, such as `CPU_3` or `GPU_0`. It warns
     when a device's peak passes `warn_fraction` of its memory limit, or when
     one device holds more than `imbalance_ratio` times the mesh mean.
@@ -35,6 +41,7 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
         every_n_steps: Steps between readings.
         warn_fraction: Fraction of a device's memory limit that warns.
         imbalance_ratio: Ratio of a device's bytes to the mesh mean that warns.
+        log_dir: A TensorBoard log directory for per-step scalars, or None.
 
     Example:
 
@@ -48,6 +55,7 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
         every_n_steps: int = 100,
         warn_fraction: float = 0.9,
         imbalance_ratio: float = 1.5,
+        log_dir: str | os.PathLike | None = None,
     ):
         super().__init__()
         if every_n_steps < 1:
@@ -55,6 +63,8 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
         self.every_n_steps = every_n_steps
         self.warn_fraction = warn_fraction
         self.imbalance_ratio = imbalance_ratio
+        self.log_dir = log_dir
+        self._writer: tf.summary.SummaryWriter | None = None
         self.latest: dict[str, float] = {}
         self._steps = 0
         self._param_bytes: dict[str, int] = {}
@@ -62,7 +72,13 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._param_bytes = {}
+        if self.log_dir is not None and self._writer is None:
+            self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "memory"))
         self._read()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._writer is not None:
+            self._writer.flush()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._steps += 1
@@ -99,6 +115,10 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         )
         self._check_balance()
+        if self._writer is not None:
+            with self._writer.as_default(step=self._steps):
+                for key, value in self.latest.items():
+                    tf.summary.scalar(key, value)
 
     def _check_limit(self, device: str, peak: int) -> None:
         limit = _memory_limit(device)
