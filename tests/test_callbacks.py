@@ -151,3 +151,16 @@ def test_gradient_norms_equal_one_device(name):
         )
     global_norm = np.sqrt(sum(n * n for n in expected))
     np.testing.assert_allclose(history.history["grad_norm/global"][0], global_norm, rtol=1e-5)
+
+
+def test_collective_time_from_the_profiler(tmp_path):
+    model = build_on(strategy_2x4(), "mlp", WEIGHTS)
+    monitor = tfmp.callbacks.GradientSyncMonitor(profile_steps=(2, 3), profile_dir=str(tmp_path))
+    history = model.fit(*mlp_data(32), batch_size=8, epochs=2, verbose=0, callbacks=[monitor])
+    profiled = {key: values[0] for key, values in history.history.items() if key.startswith("sync/")}
+    assert glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert 0 < profiled["sync/collective_seconds"] <= profiled["sync/op_seconds"]
+    assert profiled["sync/op_seconds"] <= profiled["sync/profiled_step_seconds"]
+    assert 0 < profiled["sync/collective_fraction"] <= 1
+    with pytest.raises(ValueError, match=r"profile_steps=\(3, 2\)"):
+        tfmp.callbacks.GradientSyncMonitor(profile_steps=(3, 2))

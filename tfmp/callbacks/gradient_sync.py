@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfmp.callbacks.collective_time import CollectiveTimer
 from tfmp.callbacks.gradient_norms import GradientNormRecorder
 from tfmp.inspect.comm_report import comm_report
 
@@ -33,6 +34,14 @@ class GradientSyncMonitor(keras.callbacks.Callback):
     - With `grad_norms=True`, at each epoch end: `grad_norm/global` and
       `grad_norm/<variable path>`, the norms of the synchronized gradients of
       the epoch's last step (the gradients the optimizer applies).
+    - With `profile_steps=(first, last)`, from the epoch in which step `last`
+      ends: the TF profiler's view of those steps (1-based, counted across
+      epochs): `sync/collective_seconds` (wall time per step during which
+      some device ran a collective), `sync/op_seconds` (during which some
+      device ran any op), `sync/profiled_step_seconds` and
+      `sync/collective_fraction` (collective time over step time). A
+      collective's time includes waiting for its slowest peer, so on
+      simulated CPU devices sharing cores it is mostly waiting.
 
     Args:
         check_every_n_epochs: Epochs between replica checks (0: never).
@@ -40,6 +49,9 @@ class GradientSyncMonitor(keras.callbacks.Callback):
         grad_norms: Whether to log gradient norms. Costs one norm per
             variable per step, and under tfmp one scalar reduction per split
             variable.
+        profile_steps: `(first, last)` steps to profile, or None.
+        profile_dir: Where the profile is written (for TensorBoard's profile
+            plugin); a temporary directory if None.
 
     Example:
 
@@ -52,6 +64,8 @@ class GradientSyncMonitor(keras.callbacks.Callback):
         check_every_n_epochs: int = 1,
         on_mismatch: str = "warn",
         grad_norms: bool = False,
+        profile_steps: tuple[int, int] | None = None,
+        profile_dir: str | None = None,
     ):
         super().__init__()
         if on_mismatch not in ON_MISMATCH:
@@ -64,14 +78,29 @@ class GradientSyncMonitor(keras.callbacks.Callback):
         self.mismatches: list[tuple[str, float]] = []
         self.grad_norms = grad_norms
         self._norm_recorder: GradientNormRecorder | None = None
+        self._timer = CollectiveTimer(profile_steps, profile_dir) if profile_steps else None
 
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         if self.grad_norms and getattr(self._norm_recorder, "model", None) is not model:
             self._norm_recorder = GradientNormRecorder(model)
 
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._timer is not None:
+            self._timer.batch_begin()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._timer is not None:
+            self._timer.batch_end(logs)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._timer is not None:
+            self._timer.train_end()
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
+        if self._timer is not None and self._timer.result is not None:
+            logs.update(self._timer.result)
         if self.traffic is None:
             self.traffic = step_traffic(self.model)
         logs.update(self.traffic)
