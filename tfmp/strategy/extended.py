@@ -18,6 +18,7 @@ from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import MeshDataset
 from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
+from tfmp.strategy.stages import StageMeshes, current_stage, stage_scalars
 from tfmp.strategy.variable import ShardedVariable
 
 # How far up the stack the Keras variable whose `tf.Variable` is being created
@@ -38,12 +39,20 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         layout_map: LayoutMap,
         batch_axis: str | None,
         auto_axis: str | None = None,
+        stage_meshes: StageMeshes | None = None,
     ):
         super().__init__(container_strategy)
         self.mesh = mesh
         self.layout_map = layout_map
         self.auto_axis = auto_axis
-        self.placer = BatchPlacer(mesh.dtensor_mesh, batch_axis)
+        self.stage_meshes = stage_meshes
+        # Where everything outside a pipeline stage lives, and outputs leave from.
+        self.home_mesh = stage_meshes.last if stage_meshes else mesh
+        self.placer = BatchPlacer(
+            self.home_mesh.dtensor_mesh,
+            batch_axis,
+            first_mesh=stage_meshes.meshes[0].dtensor_mesh if stage_meshes else None,
+        )
         self.first_step_graphs = FirstStepGraphs()
         self._checked_layout_map = False
 
@@ -62,22 +71,37 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             if keras_variable is None
             else keras_variable.path
         )
+        stage = getattr(colocate_with, "stage", None)
+        if stage is None:
+            stage = getattr(keras_variable, "_tfmp_stage", None)
+        if stage is None:
+            stage = current_stage()
+        if self.stage_meshes is None:
+            stage = None
+        mesh = self.home_mesh if stage is None else self.stage_meshes.meshes[stage]
 
         def initial_value_on_mesh():
             # Computed on the host so that each device only ever holds its shard.
             with tf.device("CPU:0"):
                 value = initial_value() if callable(initial_value) else initial_value
                 value = tf.convert_to_tensor(value, dtype=dtype)
-            layout = self._layout_for(path, value.shape, colocate_with, keras_variable)
+            layout = self._layout_for(path, value.shape, colocate_with, keras_variable, mesh)
             return to_layout(value, layout)
 
-        with dtensor.default_mesh(self.mesh.dtensor_mesh):
+        if keras_variable is not None and stage is not None:
+            keras_variable._tfmp_stage = stage  # noqa: SLF001
+        with dtensor.default_mesh(mesh.dtensor_mesh):
             return ShardedVariable(
-                initial_value_on_mesh, path=path, placer=self.placer, **kwargs
+                initial_value_on_mesh, path=path, placer=self.placer, stage=stage, **kwargs
             )
 
     def _layout_for(
-        self, path: str, shape: tf.TensorShape, colocate_with: Any, keras_variable: Any
+        self,
+        path: str,
+        shape: tf.TensorShape,
+        colocate_with: Any,
+        keras_variable: Any,
+        mesh: DeviceMesh,
     ) -> dtensor.Layout:
         # Optimizer slots are created colocated with their variable: same layout.
         reference = getattr(colocate_with, "layout", None)
@@ -95,13 +119,13 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                     "agree."
                 )
             return axes_to_layout(
-                axes, self.mesh, shape, path, f"the layout layer {owner!r} declares",
+                axes, mesh, shape, path, f"the layout layer {owner!r} declares",
                 missing_axis_replicates=True,
             )
         if match is None:
-            return dtensor.Layout.replicated(self.mesh.dtensor_mesh, shape.rank)
+            return dtensor.Layout.replicated(mesh.dtensor_mesh, shape.rank)
         rule, axes = match
-        return axes_to_layout(axes, self.mesh, shape, path, f"LayoutMap rule {rule!r}")
+        return axes_to_layout(axes, mesh, shape, path, f"LayoutMap rule {rule!r}")
 
     def prepare(self, model: Any) -> None:
         """Called as `model` starts fit, evaluate, predict or `*_on_batch`.
@@ -131,18 +155,35 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             match = plan.match(variable.path)
             if match is None:
                 continue
-            layout = axes_to_layout(
-                match[1], self.mesh, variable.shape, variable.path, "auto_layout"
-            )
+            mesh = self.stage_mesh(variable.value.stage)
+            layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
             variable._value = self._relaid(variable.value, layout)  # noqa: SLF001
         self.layout_map = plan
 
-    def _relaid(self, variable: ShardedVariable, layout: dtensor.Layout) -> ShardedVariable:
-        with dtensor.default_mesh(self.mesh.dtensor_mesh):
+    def stage_mesh(self, stage: int | None) -> DeviceMesh:
+        """The mesh of pipeline stage `stage`; the home mesh for None."""
+        return self.home_mesh if stage is None else self.stage_meshes.meshes[stage]
+
+    def move_to_stage_mesh(self, variables: Any, stage: int) -> None:
+        """Moves Keras variables of a pipeline stage that were made before its
+        layers were built (a dropout's seed state) to that stage's mesh."""
+        mesh = self.stage_mesh(stage)
+        for variable in variables:
+            variable._tfmp_stage = stage  # noqa: SLF001
+            if variable.value.stage != stage:
+                layout = dtensor.Layout(variable.value.layout.sharding_specs, mesh.dtensor_mesh)
+                variable._value = self._relaid(variable.value, layout, stage)  # noqa: SLF001
+
+    def _relaid(
+        self, variable: ShardedVariable, layout: dtensor.Layout, stage: int | None = None
+    ) -> ShardedVariable:
+        stage = variable.stage if stage is None else stage
+        with dtensor.default_mesh(layout.mesh):
             return ShardedVariable(
                 to_layout(variable.read_value(), layout),
                 path=variable.path,
                 placer=self.placer,
+                stage=stage,
                 name=variable.name.split(":")[0],
                 trainable=variable.trainable,
                 dtype=variable.dtype,
@@ -172,7 +213,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         return replica_id_in_sync_group
 
     def _default_device_scope(self):
-        return dtensor.default_mesh(self.mesh.dtensor_mesh)
+        return dtensor.default_mesh(self.home_mesh.dtensor_mesh)
 
     def _use_merge_call(self) -> bool:
         return False
@@ -190,7 +231,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
 
     def _replicated_output(self, value: Any) -> Any:
         if isinstance(value, tf.Tensor):
-            return replicate(value, self.mesh.dtensor_mesh)
+            return replicate(value, self.home_mesh.dtensor_mesh)
         return value
 
     def _reduce_to(self, reduce_op, value, destinations, options):
@@ -210,7 +251,24 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         return value
 
     def _update(self, var, fn, args, kwargs, group):
-        return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
+        stage = getattr(var, "stage", None)
+        if stage is None or self.stage_meshes is None:
+            return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
+        # A pipeline stage's weight: its update reads values of the optimizer's
+        # (learning rate, step count) as copies on the weight's own mesh.
+        # Keras passes (gradient, learning rate): the gradient is already there.
+        mesh = self.stage_mesh(stage)
+        args = tuple(args[:1]) + tuple(self._home_value_to(a, mesh) for a in args[1:])
+        with stage_scalars(stage):
+            return self._update_non_slot(var, fn, (var,) + args, kwargs, group)
+
+    def _home_value_to(self, value: Any, mesh: DeviceMesh) -> Any:
+        """A replicated value of the home mesh, copied onto `mesh`."""
+        if not isinstance(value, tf.Tensor) or value.shape.rank != 0 or mesh == self.home_mesh:
+            return value
+        return dtensor.copy_to_mesh(
+            replicate(value, self.home_mesh.dtensor_mesh), dtensor.Layout.replicated(mesh.dtensor_mesh, 0)
+        )
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with

@@ -87,7 +87,7 @@ class MeshIterator:
             raise tf.errors.OutOfRangeError(None, None, "End of dataset.")
         self._first_step_graphs.on_batch()
         self._next = self._pull()
-        return self._placer.place(batch, is_last_batch=self._next is None)
+        return self._placer.place_batch(batch, is_last_batch=self._next is None)
 
     def get_next(self) -> Any:
         return next(self)

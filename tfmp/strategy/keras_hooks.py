@@ -5,7 +5,9 @@ tensors, which DTensor refuses to mix with mesh variables. tfmp wraps
 `Layer.__call__` and those methods once so that, for a model whose variables
 live on a tfmp mesh, host inputs are packed onto the mesh (split over the batch
 axis), the call runs as a function on the mesh, and outputs come back whole.
-`fit`, `evaluate`, `predict` and the `*_on_batch` methods first tell the
+A pipeline model's `train_step` and `test_step` run stage by stage
+(`tfmp.pipeline.steps`). `fit`, `evaluate`, `predict` and the `*_on_batch`
+methods first tell the
 model's strategy which model runs (to lay it out with `layout_map="auto"`, and
 to keep its first step's graphs for `tfmp.comm_report`). Anything else passes
 through untouched.
@@ -43,6 +45,8 @@ def install() -> None:
         setattr(TensorFlowTrainer, name, _on_batch(getattr(TensorFlowTrainer, name)))
     for name in ("fit", "evaluate", "predict"):
         setattr(TensorFlowTrainer, name, _prepared(getattr(TensorFlowTrainer, name)))
+    for name in ("train_step", "test_step"):
+        setattr(TensorFlowTrainer, name, _pipelined(getattr(TensorFlowTrainer, name)))
 
 
 def placer_for(layer: Any) -> BatchPlacer | None:
@@ -75,6 +79,26 @@ def _prepared(method: Callable) -> Callable:
     def wrapper(self, *args, **kwargs):
         _prepare(self)
         return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _pipelined(step: Callable) -> Callable:
+    """Runs a pipeline model's training and test steps stage by stage."""
+
+    @functools.wraps(step)
+    def wrapper(self, data):
+        extended = _extended_of(getattr(self, "_distribute_strategy", None))
+        if extended is None or extended.stage_meshes is None:
+            return step(self, data)
+        if tf.executing_eagerly():
+            raise ValueError(
+                f"Model {self.name!r} is a pipeline, whose stages meet inside one "
+                "compiled function: compile it without run_eagerly=True."
+            )
+        from tfmp.pipeline import steps  # the pipeline builds on the strategy
+
+        return getattr(steps, step.__name__)(self, data)
 
     return wrapper
 
@@ -149,7 +173,7 @@ def _on_batch(method: Callable) -> Callable:
             )
         for name in ("x", "y", "sample_weight"):
             if name in data:
-                data[name] = placer.place(data[name])
+                data[name] = placer.place(data[name], targets=name != "x")
         return method(*bound.args, **bound.kwargs)
 
     return wrapper

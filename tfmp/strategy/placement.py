@@ -85,33 +85,58 @@ class BatchPlacer:
     single-device result for a partial last batch. When whole batches do not
     divide, a warning says that data parallelism is lost and how to fix it.
 
+    In a pipeline, inputs go to the first stage's mesh and targets and sample
+    weights to the last stage's, where the loss is computed.
+
     Args:
-        mesh: The DTensor mesh.
+        mesh: The DTensor mesh (of a pipeline, the last stage's).
         batch_axis: Name of the mesh axis that splits the batch, or None.
+        first_mesh: A pipeline's first-stage mesh, or None.
     """
 
-    def __init__(self, mesh: dtensor.Mesh, batch_axis: str | None):
+    def __init__(
+        self, mesh: dtensor.Mesh, batch_axis: str | None, first_mesh: dtensor.Mesh | None = None
+    ):
         self.mesh = mesh
+        self.input_mesh = first_mesh or mesh
         self.batch_axis = batch_axis
         self.batch_parts = mesh.dim_size(batch_axis) if batch_axis else 1
         self._warned = False
 
-    def place(self, structure: Any, is_last_batch: bool = True) -> Any:
-        """Packs every host tensor or array in `structure` onto the mesh."""
+    def place(self, structure: Any, is_last_batch: bool = True, targets: bool = False) -> Any:
+        """Packs every host tensor or array in `structure` onto the mesh
+        (inputs onto the input mesh, `targets` onto the output mesh)."""
+        mesh = self.mesh if targets else self.input_mesh
         return tf.nest.map_structure(
-            lambda x: self.place_tensor(x, is_last_batch), structure
+            lambda x: self.place_tensor(x, is_last_batch, mesh), structure
         )
 
-    def place_tensor(self, value: Any, is_last_batch: bool = True) -> Any:
+    def place_batch(self, batch: Any, is_last_batch: bool = True) -> Any:
+        """Packs an `(x, y, sample_weight)` batch: `x` as inputs, the rest as targets."""
+        if self.input_mesh is self.mesh or not isinstance(batch, tuple) or len(batch) < 2:
+            return self.place(batch, is_last_batch)
+        return (self.place(batch[0], is_last_batch),) + self.place(
+            batch[1:], is_last_batch, targets=True
+        )
+
+    def place_tensor(
+        self, value: Any, is_last_batch: bool = True, mesh: dtensor.Mesh | None = None
+    ) -> Any:
         if value is None or dtensor.is_dtensor(value) or not _is_array(value):
             return value
         value = tf.convert_to_tensor(value)
-        return to_layout(value, self.layout_for(value.shape, is_last_batch))
+        return to_layout(value, self.layout_for(value.shape, is_last_batch, mesh))
 
-    def layout_for(self, shape: tf.TensorShape, is_last_batch: bool = True):
+    def layout_for(
+        self,
+        shape: tf.TensorShape,
+        is_last_batch: bool = True,
+        mesh: dtensor.Mesh | None = None,
+    ) -> dtensor.Layout:
+        mesh = mesh or self.input_mesh
         rank = shape.rank
         if rank == 0 or self.batch_parts == 1:
-            return dtensor.Layout.replicated(self.mesh, rank)
+            return dtensor.Layout.replicated(mesh, rank)
         if shape[0] % self.batch_parts:
             if not is_last_batch and not self._warned:
                 self._warned = True
@@ -123,8 +148,8 @@ class BatchPlacer:
                     f"{self.batch_parts}.",
                     stacklevel=3,
                 )
-            return dtensor.Layout.replicated(self.mesh, rank)
-        return dtensor.Layout.batch_sharded(self.mesh, self.batch_axis, rank)
+            return dtensor.Layout.replicated(mesh, rank)
+        return dtensor.Layout.batch_sharded(mesh, self.batch_axis, rank)
 
 
 def _is_array(value: Any) -> bool:

@@ -10,8 +10,11 @@ from tfmp.layout import LayoutMap, as_layout_map
 from tfmp.mesh import DeviceMesh, as_device_mesh
 from tfmp.strategy import keras_hooks
 from tfmp.strategy.extended import ModelParallelExtended
+from tfmp.strategy.stages import StageMeshes
 
 _DEFAULT_BATCH_AXIS = "batch"
+_STAGE_AXIS = "stage"
+SCHEDULES = ("gpipe", "1f1b")
 
 
 class ModelParallelStrategy(tf.distribute.Strategy):
@@ -33,6 +36,13 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         batch_axis: The mesh axis that splits the batch. If the mesh has no axis
             of the default name `"batch"`, batches are not split (no data
             parallelism); any other name must be a mesh axis. None: not split.
+        num_microbatches: For a pipeline (a mesh with a `"stage"` axis and a
+            model of `tfmp.layers.LayerGroup`s), how many micro-batches each
+            batch is split into as it flows through the stages.
+        schedule: The order in which each stage runs its micro-batches'
+            forward and backward passes: `"gpipe"` (all forwards, then all
+            backwards) or `"1f1b"` (one forward, one backward, which keeps at
+            most as many micro-batches' activations as there are stages).
 
     Example:
 
@@ -58,8 +68,14 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         mesh: Any,
         layout_map: Any = None,
         batch_axis: str | None = _DEFAULT_BATCH_AXIS,
+        num_microbatches: int = 1,
+        schedule: str = "gpipe",
     ):
         mesh = as_device_mesh(mesh)
+        stage_meshes = StageMeshes(mesh, _STAGE_AXIS) if _STAGE_AXIS in mesh.axis_names else None
+        _check_pipeline_arguments(stage_meshes, num_microbatches, schedule)
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
         if batch_axis is not None and batch_axis not in mesh.axis_names:
             if batch_axis != _DEFAULT_BATCH_AXIS:
                 mesh.check_axis(batch_axis, what="batch_axis")
@@ -74,7 +90,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             auto_axis, layout_map = "model", None
         super().__init__(
             ModelParallelExtended(
-                self, mesh, as_layout_map(layout_map, mesh), batch_axis, auto_axis
+                self, mesh, as_layout_map(layout_map, mesh), batch_axis, auto_axis, stage_meshes
             )
         )
         keras_hooks.install()
@@ -83,6 +99,11 @@ class ModelParallelStrategy(tf.distribute.Strategy):
     def mesh(self) -> DeviceMesh:
         """The device mesh the strategy places variables and batches on."""
         return self.extended.mesh
+
+    @property
+    def stage_meshes(self) -> StageMeshes | None:
+        """Each pipeline stage's mesh, if the mesh has a `"stage"` axis."""
+        return self.extended.stage_meshes
 
     @property
     def layout_map(self) -> LayoutMap:
@@ -104,4 +125,29 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         return (
             f"ModelParallelStrategy({self.mesh!r}, layout_map with "
             f"{len(self.layout_map)} rules, batch_axis={self.batch_axis!r})"
+        )
+
+
+def _check_pipeline_arguments(
+    stage_meshes: StageMeshes | None, num_microbatches: Any, schedule: Any
+) -> None:
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r}: use an integer >= 1.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}.")
+    if stage_meshes is None:
+        if num_microbatches > 1:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} needs a pipeline: give the mesh "
+                f"a {_STAGE_AXIS!r} axis, e.g. tfmp.DeviceMesh((2, 4), "
+                f"('{_STAGE_AXIS}', 'model')), and build the model from "
+                "tfmp.layers.LayerGroup stages."
+            )
+        return
+    if schedule == "1f1b" and num_microbatches < stage_meshes.num_stages:
+        raise ValueError(
+            f"schedule='1f1b' with num_microbatches={num_microbatches} and "
+            f"{stage_meshes.num_stages} stages: 1F1B needs at least one micro-batch "
+            f"per stage. Use num_microbatches >= {stage_meshes.num_stages}, or "
+            "schedule='gpipe'."
         )

@@ -21,11 +21,18 @@ class ShardedVariable(dtensor.DVariable):
     """
 
     def __init__(
-        self, initial_value: Any, *args, path: str = "", placer: Any = None, **kwargs
+        self,
+        initial_value: Any,
+        *args,
+        path: str = "",
+        placer: Any = None,
+        stage: int | None = None,
+        **kwargs,
     ):
         super().__init__(initial_value, *args, **kwargs)
         self.path = path or self.name
         self.placer = placer  # packs host batches for models using this variable
+        self.stage = stage  # the pipeline stage whose mesh holds it, if any
 
     def _on_mesh(self, value: Any) -> Any:
         if tf.executing_eagerly():

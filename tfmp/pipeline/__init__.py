@@ -1,0 +1,1 @@
+"""tfmp.pipeline: layer-wise model parallelism."""
