@@ -20,6 +20,7 @@ from tfmp.inspect.comm_report import comm_report  # noqa: E402
 from tfmp.inspect.summary import summary  # noqa: E402
 from tfmp.layout import LayoutMap  # noqa: E402
 from tfmp.mesh import DeviceMesh  # noqa: E402
+from tfmp.pipeline.balance import balance  # noqa: E402
 from tfmp.strategy import ModelParallelStrategy  # noqa: E402
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "LayoutMap",
     "ModelParallelStrategy",
     "auto_layout",
+    "balance",
     "comm_report",
     "list_devices",
     "plot_memory",

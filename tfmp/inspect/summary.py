@@ -21,6 +21,7 @@ class VariablePlacement:
     devices: tuple[str, ...]
     itemsize: int
     is_slot: bool
+    stage: int | None = None  # the pipeline stage whose devices hold it
 
     @property
     def shard_bytes(self) -> int:
@@ -62,6 +63,7 @@ def _placement(variable: Any, is_slot: bool) -> VariablePlacement:
         tuple(mesh.local_devices()),
         itemsize,
         is_slot,
+        getattr(backing, "stage", None),
     )
 
 
@@ -78,11 +80,28 @@ def bytes_per_device(model: Any) -> dict[str, dict[str, int]]:
     return dict(totals)
 
 
+def bytes_per_stage(model: Any) -> dict[int, dict[str, int]]:
+    """Per pipeline stage: the full bytes of its parameters, and the most
+    bytes (parameters + optimizer variables) one of its devices holds."""
+    stages: dict[int, dict[str, int]] = {}
+    per_device = bytes_per_device(model)
+    for row in placements(model):
+        if row.stage is None:
+            continue
+        stage = stages.setdefault(row.stage, {"parameters": 0, "largest_device": 0})
+        if not row.is_slot:
+            stage["parameters"] += math.prod(row.shape) * row.itemsize
+        largest = max(per_device[device]["total"] for device in row.devices)
+        stage["largest_device"] = max(stage["largest_device"], largest)
+    return dict(sorted(stages.items()))
+
+
 def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
     """Prints each variable's layout, per-device shard shape and bytes.
 
     Below the table: per device, the bytes of parameters and optimizer
-    variables it holds, and the fraction of those bytes that are replicated.
+    variables it holds, and the fraction of those bytes that are replicated;
+    for a pipeline, each stage's parameter bytes, so imbalance shows.
 
     Args:
         model: A built Keras model (compiled, to include optimizer variables
@@ -123,6 +142,14 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
             f"  {device}: {kinds['parameters']:,} + {kinds['optimizer']:,} = "
             f"{kinds['total']:,} bytes ({fraction:.0%} replicated)"
         )
+    stages = bytes_per_stage(model)
+    if stages:
+        lines += ["", "per pipeline stage: parameters (whole) / most on one device"]
+        for stage, sizes in stages.items():
+            lines.append(
+                f"  stage {stage}: {sizes['parameters']:,} bytes / "
+                f"{sizes['largest_device']:,} bytes"
+            )
     text = "\n".join(lines)
     (print_fn or print)(text)
     return text

@@ -5,9 +5,11 @@ from tfmp.layers.conv import ParallelConv2D
 from tfmp.layers.dense import ColumnParallelDense, RowParallelDense
 from tfmp.layers.embedding import VocabParallelEmbedding
 from tfmp.layers.sharded import Sharded
+from tfmp.pipeline.layer_group import LayerGroup
 
 __all__ = [
     "ColumnParallelDense",
+    "LayerGroup",
     "ParallelConv2D",
     "ParallelMultiHeadAttention",
     "RowParallelDense",

@@ -131,7 +131,9 @@ class _Pipeline:
         with tf.control_dependencies(self._last[stage]):
             tape = self.tapes.pop((stage, i))
             if tape is None:  # recompute: run the stage again, this time recorded
-                _, _, tape = self._forward(stage, i, self.inputs[stage, i], ys[i], weights[i], loss_weight, True)
+                self.outputs[stage, i], _, tape = self._forward(
+                    stage, i, self.inputs[stage, i], ys[i], weights[i], loss_weight, True
+                )
             gradients = self._backward(stage, i, tape)
         self._last[stage] = [g for g in tf.nest.flatten(gradients) if g is not None]
         self.outputs.pop((stage, i), None)
@@ -188,9 +190,16 @@ def _sum(gradients: list) -> Any:
     gradients = [g for g in gradients if g is not None]
     if not gradients:
         return None
-    if any(isinstance(g, tf.IndexedSlices) for g in gradients):
-        gradients = [tf.convert_to_tensor(g) for g in gradients]
-    return gradients[0] if len(gradients) == 1 else tf.add_n(gradients)
+    if len(gradients) == 1:
+        return gradients[0]
+    if all(isinstance(g, tf.IndexedSlices) for g in gradients):
+        # Kept sparse: optimizers update only the rows a sparse gradient names.
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in gradients], axis=0),
+            tf.concat([g.indices for g in gradients], axis=0),
+            gradients[0].dense_shape,
+        )
+    return tf.add_n([tf.convert_to_tensor(g) for g in gradients])
 
 
 def _split(value: Any, num_microbatches: int, mesh: DeviceMesh, batch_axis: str | None) -> list:
@@ -208,9 +217,16 @@ def _split(value: Any, num_microbatches: int, mesh: DeviceMesh, batch_axis: str 
                 f"multiple of {num_microbatches}, and a data set whose size divides "
                 "by it (or drop_remainder=True in tf.data)."
             )
-        pieces = tf.split(tensor, num_microbatches, axis=0)
-        parts = mesh.axis_size(batch_axis) if batch_axis in mesh.axis_names else 1
+        # DTensor cannot split along a sharded dimension: gather the (small)
+        # input batch first; each micro-batch is split over the batch axis again.
+        whole = replicate(tensor, mesh.dtensor_mesh)
+        step = size // num_microbatches
         rank = tensor.shape.rank
+        pieces = [
+            replicate(whole[i * step : (i + 1) * step], mesh.dtensor_mesh)
+            for i in range(num_microbatches)
+        ]
+        parts = mesh.axis_size(batch_axis) if batch_axis in mesh.axis_names else 1
         if parts > 1 and size is not None and (size // num_microbatches) % parts == 0:
             layout = dtensor.Layout.batch_sharded(mesh.dtensor_mesh, batch_axis, rank)
         else:
