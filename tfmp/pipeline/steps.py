@@ -59,7 +59,11 @@ def train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     groups = pipeline_groups(model)
     meshes = strategy.stage_meshes.meshes
     num_microbatches = strategy.num_microbatches
-    pipeline = _Pipeline(model, groups, meshes, strategy.batch_axis)
+    # GPipe's passes run as soon as their inputs are ready, the fastest order.
+    # 1F1B's memory bound, and recomputing a stage just before its backward
+    # pass, hold only if each stage keeps to its schedule.
+    ordered = strategy.schedule == "1f1b" or any(group.recompute for group in groups)
+    pipeline = _Pipeline(model, groups, meshes, strategy.batch_axis, ordered)
     microbatch_weight = _microbatch_loss_weight(model, num_microbatches)
     xs = _split(x, num_microbatches, meshes[0], strategy.batch_axis)
     ys = _split(y, num_microbatches, meshes[-1], strategy.batch_axis)
@@ -94,8 +98,10 @@ class _Pipeline:
         groups: list[LayerGroup],
         meshes: list[DeviceMesh],
         batch_axis: str | None,
+        ordered: bool,
     ):
         self.model = model
+        self.ordered = ordered
         self.groups = groups
         self.meshes = meshes
         self.batch_axis = batch_axis
@@ -103,13 +109,18 @@ class _Pipeline:
         self.outputs: dict[tuple[int, int], Any] = {}
         self.tapes: dict[tuple[int, int], tf.GradientTape] = {}
         self.output_gradients: dict[tuple[int, int], Any] = {}
-        self.gradients: dict[int, list[Any]] = {}
+        self.gradients: dict[int, Any] = {}  # running sums over micro-batches
         self.losses: list[tf.Tensor] = []
         self.scaled_losses: dict[int, tf.Tensor] = {}  # what each last-stage backward starts from
-        self._last = [[] for _ in groups]  # each stage's latest pass, to chain the next
+        # With `ordered`, a scalar of each stage's latest pass: the next pass's
+        # inputs are tied to it, which makes the stage run its passes in the
+        # schedule's order (DTensor drops control dependencies, so the order
+        # has to be carried by data).
+        self._tokens: list[tf.Tensor | None] = [None] * len(groups)
 
     def run(self, action: Action, xs: list, ys: list, weights: list, loss_weight: float) -> None:
         stage, i = action.stage, action.microbatch
+        last = len(self.groups) - 1
         if action.kind == "forward":
             if stage == 0:
                 stage_input = xs[i]
@@ -117,26 +128,41 @@ class _Pipeline:
                 stage_input = move_to_stage(
                     self.outputs[stage - 1, i], self.meshes[stage - 1], self.meshes[stage], self.batch_axis
                 )
+            stage_input = self._after_last_pass(stage, stage_input)
             self.inputs[stage, i] = stage_input
-            with tf.control_dependencies(self._last[stage]):
-                record = not self.groups[stage].recompute
-                outputs, loss, tape = self._forward(stage, i, stage_input, ys[i], weights[i], loss_weight, record)
-                if stage == len(self.groups) - 1:
-                    self.losses.append(loss)
-                    self.model.compute_metrics(None, ys[i], outputs, sample_weight=weights[i])
+            record = not self.groups[stage].recompute
+            outputs, loss, tape = self._forward(stage, i, stage_input, ys[i], weights[i], loss_weight, record)
+            if stage == last:
+                self.losses.append(loss)
+                self.model.compute_metrics(None, ys[i], outputs, sample_weight=weights[i])
+                self._tokens[stage] = loss
+            else:
+                self._tokens[stage] = _element(tf.nest.flatten(outputs)[0], self.meshes[stage])
             self.outputs[stage, i] = outputs
             self.tapes[stage, i] = tape
-            self._last[stage] = [t for t in tf.nest.flatten(outputs)] + ([loss] if loss is not None else [])
             return
-        with tf.control_dependencies(self._last[stage]):
-            tape = self.tapes.pop((stage, i))
-            if tape is None:  # recompute: run the stage again, this time recorded
-                self.outputs[stage, i], _, tape = self._forward(
-                    stage, i, self.inputs[stage, i], ys[i], weights[i], loss_weight, True
-                )
-            gradients = self._backward(stage, i, tape)
-        self._last[stage] = [g for g in tf.nest.flatten(gradients) if g is not None]
+        tape = self.tapes.pop((stage, i))
+        stage_input = self.inputs.pop((stage, i))
+        if tape is None:  # recompute: run the stage again, this time recorded
+            stage_input = self._after_last_pass(stage, stage_input)
+            self.outputs[stage, i], _, tape = self._forward(
+                stage, i, stage_input, ys[i], weights[i], loss_weight, True
+            )
+        if stage == last:
+            target = self.scaled_losses.pop(i)
+            upstream = tf.ones_like(target)
+        else:
+            target = self.outputs[stage, i]
+            upstream = self.output_gradients.pop((stage, i))
+        upstream = self._after_last_pass(stage, upstream)
+        self._backward(stage, i, tape, target, upstream, stage_input)
         self.outputs.pop((stage, i), None)
+
+    def _after_last_pass(self, stage: int, structure: Any) -> Any:
+        token = self._tokens[stage]
+        if token is None or not self.ordered:
+            return structure
+        return tf.nest.map_structure(lambda t: _tied(t, token), structure)
 
     def _forward(
         self, stage: int, i: int, stage_input: Any, y: Any, weight: Any, loss_weight: float, record: bool
@@ -156,26 +182,27 @@ class _Pipeline:
                     self.scaled_losses[i] = self.model.optimizer.scale_loss(loss)
         return outputs, loss, tape
 
-    def _backward(self, stage: int, i: int, tape: tf.GradientTape) -> list:
-        group = self.groups[stage]
-        variables = group.trainable_weights
-        sources = list(variables) + ([self.inputs[stage, i]] if stage > 0 else [])
-        if stage == len(self.groups) - 1:
-            gradients = tape.gradient(self.scaled_losses.pop(i), sources)
-        else:
-            gradients = tape.gradient(
-                self.outputs[stage, i], sources, output_gradients=self.output_gradients.pop((stage, i))
-            )
+    def _backward(
+        self, stage: int, i: int, tape: tf.GradientTape, target: Any, upstream: Any, stage_input: Any
+    ) -> None:
+        variables = self.groups[stage].trainable_weights
+        sources = list(variables) + ([stage_input] if stage > 0 else [])
+        gradients = tape.gradient(target, sources, output_gradients=upstream)
         for variable, gradient in zip(variables, gradients):
-            self.gradients.setdefault(id(variable), []).append(gradient)
+            self.gradients[id(variable)] = _add(self.gradients.get(id(variable)), gradient)
         if stage > 0:
+            self._tokens[stage] = _element(gradients[-1], self.meshes[stage])
             self.output_gradients[stage - 1, i] = move_to_stage(
                 gradients[-1], self.meshes[stage], self.meshes[stage - 1], self.batch_axis
             )
-        return gradients
+        else:
+            # The first layer's gradients come last in the backward pass.
+            first = next(g for g in gradients if g is not None)
+            values = first.values if isinstance(first, tf.IndexedSlices) else first
+            self._tokens[stage] = tf.reduce_sum(values)
 
     def summed_gradients(self, variables: list) -> list[tuple[Any, Any]]:
-        return [(_sum(self.gradients.get(id(v), [])), v) for v in variables]
+        return [(self.gradients.get(id(v)), v) for v in variables]
 
 
 class _no_tape:
@@ -186,20 +213,38 @@ class _no_tape:
         return False
 
 
-def _sum(gradients: list) -> Any:
-    gradients = [g for g in gradients if g is not None]
-    if not gradients:
-        return None
-    if len(gradients) == 1:
-        return gradients[0]
-    if all(isinstance(g, tf.IndexedSlices) for g in gradients):
+def _element(value: tf.Tensor, mesh: DeviceMesh) -> tf.Tensor:
+    """One element of `value`, as a replicated float scalar on `mesh`."""
+    value = replicate(value, mesh.dtensor_mesh)
+    rank = value.shape.rank
+    element = tf.reshape(tf.slice(value, [0] * rank, [1] * rank), []) if rank else value
+    return tf.cast(element, tf.float32)
+
+
+def _tied(value: Any, token: tf.Tensor) -> Any:
+    """`value`, computed only once `token` is: adds zero times the token.
+
+    A non-finite token counts as zero, so that it cannot leak into `value`.
+    """
+    if not isinstance(value, tf.Tensor) or not (value.dtype.is_floating or value.dtype.is_integer):
+        return value
+    zero = tf.where(tf.math.is_finite(token), token, tf.zeros_like(token)) * 0.0
+    return value + tf.cast(zero, value.dtype)
+
+
+def _add(total: Any, gradient: Any) -> Any:
+    """Adds a micro-batch's gradient to the running sum, as it arrives, so that
+    one sum per variable is held rather than one gradient per micro-batch."""
+    if total is None or gradient is None:
+        return gradient if total is None else total
+    if isinstance(total, tf.IndexedSlices) and isinstance(gradient, tf.IndexedSlices):
         # Kept sparse: optimizers update only the rows a sparse gradient names.
         return tf.IndexedSlices(
-            tf.concat([g.values for g in gradients], axis=0),
-            tf.concat([g.indices for g in gradients], axis=0),
-            gradients[0].dense_shape,
+            tf.concat([total.values, gradient.values], axis=0),
+            tf.concat([total.indices, gradient.indices], axis=0),
+            total.dense_shape,
         )
-    return tf.add_n([tf.convert_to_tensor(g) for g in gradients])
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
 
 
 def _split(value: Any, num_microbatches: int, mesh: DeviceMesh, batch_axis: str | None) -> list:
