@@ -16,6 +16,7 @@ from tfmp import callbacks, layers  # noqa: E402
 from tfmp.auto_layout import auto_layout  # noqa: E402
 from tfmp.callbacks import plot_memory  # noqa: E402
 from tfmp.devices import list_devices, simulate_devices  # noqa: E402
+from tfmp.distributed import initialize  # noqa: E402
 from tfmp.inspect.comm_report import comm_report  # noqa: E402
 from tfmp.inspect.summary import summary  # noqa: E402
 from tfmp.layout import LayoutMap  # noqa: E402
@@ -32,6 +33,7 @@ __all__ = [
     "auto_layout",
     "balance",
     "comm_report",
+    "initialize",
     "list_devices",
     "plot_memory",
     "callbacks",

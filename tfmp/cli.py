@@ -16,7 +16,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--mesh", default="2x4", help="batch x model mesh shape, e.g. 2x4 or 1x8"
     )
+    launch = commands.add_parser(
+        "launch",
+        help="run a program as several clients of one run on this machine",
+        description="Starts N processes of the program after --, each a client of one "
+        "multi-client run on loopback ports (tfmp.initialize() in the program reads "
+        "its settings), prefixes their output, and stops all if one fails.",
+    )
+    launch.add_argument("--num-processes", type=int, required=True)
+    launch.add_argument("--devices-per-process", type=int, required=True)
+    launch.add_argument("--timeout", type=float, default=None, help="seconds before all are stopped")
+    launch.add_argument("program", nargs=argparse.REMAINDER, help="-- python train.py ...")
     args = parser.parse_args(argv)
+    if args.command == "launch":
+        from tfmp.launch import launch as launch_clients
+
+        program = args.program[1:] if args.program[:1] == ["--"] else args.program
+        try:
+            return launch_clients(program, args.num_processes, args.devices_per_process, args.timeout)
+        except ValueError as error:
+            parser.error(str(error))
     if args.command == "demo":
         from tfmp import demo as demo_lib
 

@@ -71,6 +71,12 @@ def simulate_devices(
     return _logical_names(device_type)
 
 
+def _client_order(name: str) -> tuple[int, int]:
+    # A multi-client run lists its own devices first; a mesh wants client 0's.
+    spec = tf.DeviceSpec.from_string(name)
+    return spec.task or 0, spec.device_index or 0
+
+
 def _logical_names(device_type: str) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices(device_type)]
 
@@ -84,11 +90,13 @@ def list_devices(device_type: str | None = None) -> list[str]:
         device_type: `"CPU"`, `"GPU"`, `"TPU"`, or `None` for the preferred type.
 
     Returns:
-        Device names such as `"/device:CPU:0"`.
+        Device names such as `"/device:CPU:0"`; in a multi-client run (see
+        `tfmp.initialize`), every client's, such as
+        `"/job:worker/replica:0/task:1/device:CPU:0"`, client 0's first.
     """
     types = (device_type.upper(),) if device_type else _PREFERRED_TYPES
     for kind in types:
         names = _logical_names(kind)
         if names:
-            return names
+            return sorted(names, key=_client_order)
     return []

@@ -110,10 +110,13 @@ class DeviceMesh:
     def dtensor_mesh(self) -> dtensor.Mesh:
         """The `tf.experimental.dtensor.Mesh` for these devices."""
         if self._dtensor_mesh is None:
-            self._dtensor_mesh = dtensor.create_mesh(
-                list(zip(self._axis_names, self._shape)),
-                devices=list(self._devices.flatten()),
-            )
+            devices = list(self._devices.flatten())
+            if dtensor.num_clients() == 1:
+                self._dtensor_mesh = dtensor.create_mesh(
+                    list(zip(self._axis_names, self._shape)), devices=devices
+                )
+            else:
+                self._dtensor_mesh = _multi_client_mesh(self._axis_names, self._shape, devices)
         return self._dtensor_mesh
 
     def __eq__(self, other: object) -> bool:
@@ -148,6 +151,26 @@ def as_device_mesh(mesh: Any) -> DeviceMesh:
     raise TypeError(
         f"Expected a tfmp.DeviceMesh or keras.distribution.DeviceMesh, got "
         f"{type(mesh).__name__}: {mesh!r}."
+    )
+
+
+def _multi_client_mesh(
+    axis_names: Sequence[str], shape: Sequence[int], devices: list[str]
+) -> dtensor.Mesh:
+    """A mesh over the devices of several clients; this client owns its own."""
+    client = dtensor.client_id()
+    local_ids = [i for i, d in enumerate(devices) if tf.DeviceSpec.from_string(d).task == client]
+    if not local_ids:
+        raise ValueError(
+            f"A DeviceMesh of shape {tuple(shape)} over {devices} holds none of the "
+            f"devices of this client ({client}): in a multi-client run every mesh "
+            "spans all clients. Use a mesh of all their devices."
+        )
+    return dtensor.Mesh(
+        list(axis_names),
+        np.arange(len(devices)).reshape(shape),
+        local_ids,
+        [devices[i] for i in local_ids],
     )
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import tempfile
 import threading
 from typing import Any, Callable
 
@@ -26,6 +28,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
+from tfmp import distributed
 from tfmp.strategy.extended import ModelParallelExtended
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import ShardedVariable
@@ -47,6 +50,8 @@ def install() -> None:
         setattr(TensorFlowTrainer, name, _prepared(getattr(TensorFlowTrainer, name)))
     for name in ("train_step", "test_step"):
         setattr(TensorFlowTrainer, name, _pipelined(getattr(TensorFlowTrainer, name)))
+    for name in ("save", "save_weights"):
+        setattr(keras.Model, name, _chief_writes(getattr(keras.Model, name)))
 
 
 def placer_for(layer: Any) -> BatchPlacer | None:
@@ -99,6 +104,21 @@ def _pipelined(step: Callable) -> Callable:
         from tfmp.pipeline import steps  # the pipeline builds on the strategy
 
         return getattr(steps, step.__name__)(self, data)
+
+    return wrapper
+
+
+def _chief_writes(save: Callable) -> Callable:
+    """In a multi-client run every client gathers the values to save (the
+    gathers are collectives), but only client 0 writes the file."""
+
+    @functools.wraps(save)
+    def wrapper(self, filepath, *args, **kwargs):
+        cluster = distributed.cluster()
+        if cluster is None or cluster.is_chief:
+            return save(self, filepath, *args, **kwargs)
+        with tempfile.TemporaryDirectory() as scratch:
+            return save(self, os.path.join(scratch, os.path.basename(str(filepath))), *args, **kwargs)
 
     return wrapper
 

@@ -1,0 +1,254 @@
+"""`tfmp.initialize`: one tfmp run over several processes (DTensor clients).
+
+Each process (a client, usually one per host) owns its local devices; a mesh
+spans the devices of all clients, and DTensor's collectives run between them
+over gRPC, TensorFlow's own multi-client runtime (the one TPU pods and
+multi-host GPU jobs use). tfmp adds what the stock initialization lacks:
+settings read from the environment or `TF_CONFIG` and checked, waits bounded
+by a timeout instead of hanging on a peer that never comes, and a check that
+every client has as many devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+import tensorflow as tf
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+from tensorflow.experimental import dtensor
+from tensorflow.python.eager import context
+
+from tfmp import devices as devices_lib
+
+_DEVICE_COUNT_KEY = "tfmp/local_devices/{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The clients of a run and which one this process is.
+
+    Attributes:
+        jobs: `host:port` of every client, in client-id order.
+        client_id: This process's index into `jobs`.
+        job_name: The gRPC job name all clients share.
+        device_type: `"CPU"`, `"GPU"` or `"TPU"`.
+        local_devices: Devices of that type each client has.
+    """
+
+    jobs: tuple[str, ...]
+    client_id: int
+    job_name: str
+    device_type: str
+    local_devices: int
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.jobs)
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this client writes files that all clients save together."""
+        return self.client_id == 0
+
+
+_cluster: Cluster | None = None
+
+
+def initialize(
+    jobs: Sequence[str] | None = None,
+    client_id: int | None = None,
+    device_type: str | None = None,
+    num_local_devices: int | None = None,
+    timeout_s: float = 120.0,
+    job_name: str = "worker",
+) -> Cluster:
+    """Joins this process to a multi-client run; call it first in the program.
+
+    Settings come from the arguments, else from DTensor's variables
+    (`DTENSOR_JOBS`, `DTENSOR_CLIENT_ID`, `DTENSOR_JOB_NAME`), else from a
+    standard `TF_CONFIG` (its `"worker"` tasks and this task's index). With
+    none of them, the run has one client and nothing is set up. Calling it
+    again with the same settings returns the same cluster.
+
+    Afterwards `tfmp.DeviceMesh` spans the devices of every client (client 0's
+    first), each client feeds only its own devices' part of every batch, and
+    `model.save` / `save_weights` write one file, from client 0, while every
+    client takes part in gathering the values.
+
+    Args:
+        jobs: `host:port` of each client, in client-id order, the same list
+            in every client.
+        client_id: This client's index into `jobs`.
+        device_type: The accelerator type: `"CPU"`, `"GPU"` or `"TPU"`; None
+            reads `TFMP_DEVICE_TYPE` (set by `tfmp launch`), else `"CPU"`.
+        num_local_devices: For `"CPU"`, how many logical CPU devices to split
+            this host into (as `tfmp.simulate_devices`); the same in every
+            client. None reads `TFMP_NUM_LOCAL_DEVICES` (set by `tfmp launch`),
+            else keeps the host's current split.
+        timeout_s: How long to wait for every client to join, and how long a
+            client may stay silent before the others count it as dead.
+        job_name: The gRPC job name, the same in every client.
+
+    Returns:
+        The `Cluster`.
+
+    Raises:
+        ValueError: For inconsistent settings: a client id out of range, a
+            repeated address, clients with different numbers of devices.
+        TimeoutError: If some client did not join within `timeout_s`. The
+            process cannot use TensorFlow afterwards and should exit.
+        RuntimeError: If called again with other settings, or after
+            TensorFlow has started.
+
+    Example:
+
+    >>> import tfmp
+    >>> cluster = tfmp.initialize(  # doctest: +SKIP
+    ...     jobs=["10.0.0.1:9876", "10.0.0.2:9876"], client_id=0, num_local_devices=4)
+    >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))  # doctest: +SKIP
+    """
+    global _cluster
+    if num_local_devices is None and os.environ.get("TFMP_NUM_LOCAL_DEVICES"):
+        num_local_devices = int(os.environ["TFMP_NUM_LOCAL_DEVICES"])  # set by `tfmp launch`
+    device_type = device_type or os.environ.get("TFMP_DEVICE_TYPE", "CPU")
+    cluster = _resolve(jobs, client_id, device_type, num_local_devices, job_name)
+    if _cluster is not None:
+        if dataclasses.replace(cluster, local_devices=_cluster.local_devices) != _cluster:
+            raise RuntimeError(
+                f"tfmp.initialize was already called with {_cluster}; it cannot "
+                f"change to {cluster} in the same process."
+            )
+        return _cluster
+    if cluster.num_clients == 1:
+        if num_local_devices and cluster.device_type == "CPU":
+            devices_lib.simulate_devices(num_local_devices)
+        _cluster = dataclasses.replace(
+            cluster, local_devices=len(devices_lib.list_devices(cluster.device_type))
+        )
+        return _cluster
+    if context.context()._initialized:  # noqa: SLF001
+        raise RuntimeError(
+            "tfmp.initialize must run before TensorFlow starts: call it first in "
+            "the program, before creating any tensor, model or mesh."
+        )
+    os.environ.update(
+        DTENSOR_JOBS=",".join(cluster.jobs),
+        DTENSOR_CLIENT_ID=str(cluster.client_id),
+        DTENSOR_JOB_NAME=cluster.job_name,
+        DTENSOR_NUM_CLIENTS=str(cluster.num_clients),
+    )
+    _configure_coordination(cluster, timeout_s)
+    try:
+        dtensor.initialize_accelerator_system(
+            cluster.device_type,
+            enable_coordination_service=False,  # configured above, with timeouts
+            num_logical_cpu_devices=num_local_devices if cluster.device_type == "CPU" else None,
+        )
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as error:
+        raise TimeoutError(
+            f"tfmp.initialize: not every client of {list(cluster.jobs)} joined within "
+            f"{timeout_s:g} s (this is client {cluster.client_id}). Start all "
+            f"{cluster.num_clients} clients with the same jobs list, each with its own "
+            "client id, and check that their addresses are reachable. This process "
+            "cannot use TensorFlow any more: exit and start again."
+        ) from error
+    local = sum(
+        tf.DeviceSpec.from_string(device.name).task == cluster.client_id
+        for device in tf.config.list_logical_devices(cluster.device_type)
+    )
+    _check_device_counts(cluster, local, timeout_s)
+    _cluster = dataclasses.replace(cluster, local_devices=local)
+    return _cluster
+
+
+def cluster() -> Cluster | None:
+    """The cluster `tfmp.initialize` set up, or None before it."""
+    return _cluster
+
+
+def _resolve(
+    jobs: Sequence[str] | None,
+    client_id: int | None,
+    device_type: str,
+    num_local_devices: int | None,
+    job_name: str,
+) -> Cluster:
+    source = "the arguments"
+    if jobs is None and os.environ.get("DTENSOR_JOBS"):
+        source = "DTENSOR_JOBS / DTENSOR_CLIENT_ID"
+        jobs = os.environ["DTENSOR_JOBS"].split(",")
+        client_id = int(os.environ.get("DTENSOR_CLIENT_ID", "0")) if client_id is None else client_id
+        job_name = os.environ.get("DTENSOR_JOB_NAME", job_name)
+    elif jobs is None and os.environ.get("TF_CONFIG"):
+        source = "TF_CONFIG"
+        jobs, client_id, job_name = _from_tf_config(os.environ["TF_CONFIG"], client_id, job_name)
+    jobs = tuple(jobs or ("localhost:0",))
+    client_id = 0 if client_id is None else client_id
+    if not isinstance(client_id, int) or not 0 <= client_id < len(jobs):
+        raise ValueError(
+            f"client_id={client_id!r} (from {source}) is out of range for {len(jobs)} "
+            f"clients {list(jobs)}: use 0 to {len(jobs) - 1}, a different one in each "
+            "client."
+        )
+    if len(set(jobs)) != len(jobs):
+        raise ValueError(f"jobs {list(jobs)} (from {source}) repeat an address: give each client its own host:port.")
+    for job in jobs:
+        host, _, port = job.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"jobs entry {job!r} (from {source}) is not host:port, such as '10.0.0.1:9876'.")
+    device_type = device_type.upper()
+    if device_type not in ("CPU", "GPU", "TPU"):
+        raise ValueError(f"device_type={device_type!r}: use 'CPU', 'GPU' or 'TPU'.")
+    if num_local_devices is not None and (not isinstance(num_local_devices, int) or num_local_devices < 1):
+        raise ValueError(f"num_local_devices={num_local_devices!r}: use a positive integer or None.")
+    return Cluster(jobs, client_id, job_name, device_type, num_local_devices or 0)
+
+
+def _from_tf_config(text: str, client_id: int | None, job_name: str) -> tuple[list[str], int, str]:
+    try:
+        config = json.loads(text)
+        task = config.get("task", {})
+        job_name = task.get("type", job_name)
+        jobs = config["cluster"][job_name]
+        index = task.get("index", 0) if client_id is None else client_id
+    except (ValueError, KeyError, AttributeError) as error:
+        raise ValueError(
+            f"TF_CONFIG={text!r} is not a cluster such as "
+            '{"cluster": {"worker": ["host0:port", "host1:port"]}, '
+            '"task": {"type": "worker", "index": 0}}.'
+        ) from error
+    return list(jobs), index, job_name
+
+
+def _configure_coordination(cluster: Cluster, timeout_s: float) -> None:
+    """The coordination service of DTensor's init, with bounded waits: the
+    stock one waits forever for a client that never starts."""
+    timeout_ms = int(timeout_s * 1000)
+    config = coordination_config_pb2.CoordinationServiceConfig(
+        service_type="standalone",
+        service_leader=f"/job:{cluster.job_name}/replica:0/task:0",
+        enable_health_check=True,
+        cluster_register_timeout_in_ms=timeout_ms,
+        cluster_register_with_barrier=True,
+        heartbeat_timeout_in_ms=timeout_ms,
+        shutdown_barrier_timeout_in_ms=timeout_ms,
+    )
+    context.context()._coordination_service_config = config  # noqa: SLF001
+
+
+def _check_device_counts(cluster: Cluster, local: int, timeout_s: float) -> None:
+    ctx = context.context()
+    ctx.set_config_key_value(_DEVICE_COUNT_KEY.format(cluster.client_id), str(local))
+    counts = {
+        client: int(ctx.get_config_key_value(_DEVICE_COUNT_KEY.format(client), int(timeout_s * 1000)))
+        for client in range(cluster.num_clients)
+    }
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"Clients have different numbers of {cluster.device_type} devices: "
+            f"{counts} (client: devices). Every client needs the same number: give "
+            "each the same num_local_devices, or hosts with as many accelerators."
+        )
