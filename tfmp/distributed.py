@@ -125,6 +125,8 @@ def initialize(
     if cluster.num_clients == 1:
         if num_local_devices and cluster.device_type == "CPU":
             devices_lib.simulate_devices(num_local_devices)
+        if cluster.device_type == "TPU":
+            dtensor.initialize_accelerator_system("TPU")  # connects the TPU cores
         _cluster = dataclasses.replace(
             cluster, local_devices=len(devices_lib.list_devices(cluster.device_type))
         )
