@@ -22,14 +22,17 @@ def run_tfmp(*args, timeout=300):
     )
 
 
-def test_two_clients_train_like_one_process(tmp_path):
+@pytest.mark.parametrize("input_mode", ["global", "per_client"])
+def test_two_clients_train_like_one_process(tmp_path, input_mode):
     finished = run_tfmp(
         "launch", "--num-processes", "2", "--devices-per-process", "4", "--timeout", "280",
-        "--", sys.executable, os.path.join(PROGRAMS, "train_mlp.py"), str(tmp_path),
+        "--", sys.executable, os.path.join(PROGRAMS, "train_mlp.py"), str(tmp_path), input_mode,
     )
     assert finished.returncode == 0, finished.stdout[-3000:]
     assert "[client 1] client 1 of 2: local devices" in finished.stdout
     assert "task:1/device:CPU:3" in finished.stdout
+    if input_mode == "per_client":
+        assert "[client 1] client 1 read 32 rows" in finished.stdout
     device_mesh = mesh((2, 4))
     model = build_on(tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh)), "mlp", initial_weights(build_mlp))
     losses, history = train(model, *mlp_data(64))
@@ -157,3 +160,26 @@ def test_training_killed_mid_epoch_resumes_from_the_last_backup(tmp_path, resume
             np.testing.assert_array_equal(got, want)  # deterministic data: bit-exact
         else:  # another mesh sums its shards in another order
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_input_function_in_one_process_reads_whole_batches():
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
+    x, y = mlp_data(64)
+    contexts = []
+
+    def dataset_fn(context):
+        contexts.append(context)
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+
+    from helpers import BatchLosses
+
+    model = build_on(strategy, "mlp", initial_weights(build_mlp))
+    recorder = BatchLosses()
+    model.fit(strategy.distribute_datasets_from_function(dataset_fn), verbose=0, callbacks=[recorder])
+    assert (contexts[0].num_input_pipelines, contexts[0].input_pipeline_id) == (1, 0)
+    reference = build_on(strategy, "mlp", initial_weights(build_mlp))
+    losses, _ = train(reference, x, y)
+    np.testing.assert_allclose(recorder.losses, losses, rtol=1e-6)

@@ -74,12 +74,11 @@ def auto_layout(model: Any, mesh: Any, axis: str = "model") -> LayoutMap:
         its path (`^path$`).
         `layout_map.reasons` says, per variable left whole, why.
 
-    Example:
-
-    >>> layout_map = tfmp.auto_layout(model, mesh)  # doctest: +SKIP
-    >>> strategy = tfmp.ModelParallelStrategy(mesh, layout_map)  # doctest: +SKIP
-    >>> with strategy.scope():  # same layer names, so the rules match
-    ...     model = keras.Model.from_config(model.get_config())  # doctest: +SKIP
+    Examples:
+        >>> layout_map = tfmp.auto_layout(model, mesh)  # doctest: +SKIP
+        >>> strategy = tfmp.ModelParallelStrategy(mesh, layout_map)  # doctest: +SKIP
+        >>> with strategy.scope():  # same layer names, so the rules match
+        ...     model = keras.Model.from_config(model.get_config())  # doctest: +SKIP
     """
     mesh = as_device_mesh(mesh)
     mesh.check_axis(axis, what="auto_layout axis")

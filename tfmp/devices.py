@@ -30,11 +30,10 @@ def simulate_devices(
             different split.
         ValueError: For a bad `n` or `device_type`.
 
-    Example:
-
-    >>> import tfmp
-    >>> tfmp.simulate_devices(8)  # doctest: +SKIP
-    ['/device:CPU:0', ..., '/device:CPU:7']
+    Examples:
+        >>> import tfmp
+        >>> tfmp.simulate_devices(8)  # doctest: +SKIP
+        ['/device:CPU:0', ..., '/device:CPU:7']
     """
     device_type = device_type.upper()
     if device_type not in ("CPU", "GPU"):

@@ -103,12 +103,11 @@ def initialize(
         RuntimeError: If called again with other settings, or after
             TensorFlow has started.
 
-    Example:
-
-    >>> import tfmp
-    >>> cluster = tfmp.initialize(  # doctest: +SKIP
-    ...     jobs=["10.0.0.1:9876", "10.0.0.2:9876"], client_id=0, num_local_devices=4)
-    >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))  # doctest: +SKIP
+    Examples:
+        >>> import tfmp
+        >>> cluster = tfmp.initialize(  # doctest: +SKIP
+        ...     jobs=["10.0.0.1:9876", "10.0.0.2:9876"], client_id=0, num_local_devices=4)
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))  # doctest: +SKIP
     """
     global _cluster
     if num_local_devices is None and os.environ.get("TFMP_NUM_LOCAL_DEVICES"):

@@ -29,13 +29,12 @@ class LayoutMap(collections.abc.MutableMapping):
     Args:
         mesh: The `tfmp.DeviceMesh` (or Keras `DeviceMesh`) the axes refer to.
 
-    Example:
-
-    >>> import tfmp
-    >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))  # doctest: +SKIP
-    >>> layout_map = tfmp.LayoutMap(mesh)  # doctest: +SKIP
-    >>> layout_map["dense_1/kernel"] = (None, "model")  # column-parallel
-    >>> layout_map["dense_2/kernel"] = ("model", None)  # row-parallel
+    Examples:
+        >>> import tfmp
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))  # doctest: +SKIP
+        >>> layout_map = tfmp.LayoutMap(mesh)  # doctest: +SKIP
+        >>> layout_map["dense_1/kernel"] = (None, "model")  # column-parallel
+        >>> layout_map["dense_2/kernel"] = ("model", None)  # row-parallel
     """
 
     def __init__(self, mesh: Any):

@@ -25,13 +25,12 @@ class DeviceMesh:
             `"cpu:0"` or `"/device:GPU:1"`). Defaults to the first
             `prod(shape)` devices of the preferred type (TPU, GPU, then CPU).
 
-    Example:
-
-    >>> import tfmp
-    >>> tfmp.simulate_devices(8)  # doctest: +SKIP
-    >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
-    >>> mesh.axis_size("model")
-    4
+    Examples:
+        >>> import tfmp
+        >>> tfmp.simulate_devices(8)  # doctest: +SKIP
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+        >>> mesh.axis_size("model")
+        4
     """
 
     def __init__(

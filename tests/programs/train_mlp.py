@@ -1,7 +1,9 @@
 """A tfmp program the multi-client tests run as several clients.
 
-Usage: train_mlp.py OUT_DIR. Trains the test MLP on a 2x4 mesh spanning every
-client, saves the model, and (client 0) writes the losses and weights.
+Usage: train_mlp.py OUT_DIR [per_client]. Trains the test MLP on a 2x4 mesh
+spanning every client, saves the model, and (client 0) writes the losses and
+weights. With `per_client`, each client's dataset holds only its own rows of
+every batch (`strategy.distribute_datasets_from_function`).
 """
 
 import json
@@ -15,13 +17,32 @@ cluster = tfmp.initialize(timeout_s=60)
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map, train  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from helpers import BatchLosses, build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map, train  # noqa: E402
 
+BATCH = 16
 out = sys.argv[1]
 device_mesh = mesh((2, 4))
 strategy = tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
 model = build_on(strategy, "mlp", initial_weights(build_mlp))
-losses, history = train(model, *mlp_data(64))
+x, y = mlp_data(64)
+
+
+def this_clients_rows(context: tf.distribute.InputContext) -> tf.data.Dataset:
+    """Only this client's rows of every batch of BATCH."""
+    parts, part = context.num_input_pipelines, context.input_pipeline_id
+    rows = BATCH // parts
+    mine = [a.reshape(-1, parts, rows, a.shape[-1])[:, part].reshape(-1, a.shape[-1]) for a in (x, y)]
+    return tf.data.Dataset.from_tensor_slices(tuple(mine)).batch(rows)
+
+
+if sys.argv[2:] == ["per_client"]:
+    recorder = BatchLosses()
+    history = model.fit(strategy.distribute_datasets_from_function(this_clients_rows), verbose=0, callbacks=[recorder])
+    losses = recorder.losses
+    print(f"client {cluster.client_id} read {len(x) // cluster.num_clients} rows")
+else:
+    losses, history = train(model, x, y, batch_size=BATCH)
 weights = model.get_weights()
 model.save(os.path.join(out, "model.keras"))
 local = [str(d) for d in device_mesh.dtensor_mesh.local_devices()]

@@ -53,10 +53,9 @@ class GradientSyncMonitor(keras.callbacks.Callback):
         profile_dir: Where the profile is written (for TensorBoard's profile
             plugin); a temporary directory if None.
 
-    Example:
-
-    >>> monitor = tfmp.callbacks.GradientSyncMonitor(on_mismatch="stop")
-    >>> model.fit(x, y, epochs=3, callbacks=[monitor])  # doctest: +SKIP
+    Examples:
+        >>> monitor = tfmp.callbacks.GradientSyncMonitor(on_mismatch="stop")
+        >>> model.fit(x, y, epochs=3, callbacks=[monitor])  # doctest: +SKIP
     """
 
     def __init__(

@@ -43,11 +43,10 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
         imbalance_ratio: Ratio of a device's bytes to the mesh mean that warns.
         log_dir: A TensorBoard log directory for per-step scalars, or None.
 
-    Example:
-
-    >>> monitor = tfmp.callbacks.DeviceMemoryMonitor(every_n_steps=10)
-    >>> model.fit(x, y, callbacks=[monitor])  # doctest: +SKIP
-    >>> history.history["mem/CPU_0/param_bytes"]  # doctest: +SKIP
+    Examples:
+        >>> monitor = tfmp.callbacks.DeviceMemoryMonitor(every_n_steps=10)
+        >>> model.fit(x, y, callbacks=[monitor])  # doctest: +SKIP
+        >>> history.history["mem/CPU_0/param_bytes"]  # doctest: +SKIP
     """
 
     def __init__(

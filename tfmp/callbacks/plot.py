@@ -33,10 +33,9 @@ def plot_memory(history_or_logdir: Any, path: str) -> str:
         ValueError: If no `mem/...` figures are found.
         ImportError: If matplotlib is missing (`pip install "tfmp[plot]"`).
 
-    Example:
-
-    >>> history = model.fit(x, y, callbacks=[tfmp.callbacks.DeviceMemoryMonitor()])  # doctest: +SKIP
-    >>> tfmp.plot_memory(history, "memory.png")  # doctest: +SKIP
+    Examples:
+        >>> history = model.fit(x, y, callbacks=[tfmp.callbacks.DeviceMemoryMonitor()])  # doctest: +SKIP
+        >>> tfmp.plot_memory(history, "memory.png")  # doctest: +SKIP
     """
     try:
         import matplotlib

@@ -95,10 +95,9 @@ def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> Com
     Raises:
         ValueError: If the model has no tfmp strategy or has not been fit yet.
 
-    Example:
-
-    >>> model.fit(x, y, epochs=1)  # doctest: +SKIP
-    >>> report = tfmp.comm_report(model)  # doctest: +SKIP
+    Examples:
+        >>> model.fit(x, y, epochs=1)  # doctest: +SKIP
+        >>> report = tfmp.comm_report(model)  # doctest: +SKIP
     """
     extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
     if not isinstance(extended, ModelParallelExtended):

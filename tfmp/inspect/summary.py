@@ -111,11 +111,10 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
     Returns:
         The printed text.
 
-    Example:
-
-    >>> tfmp.summary(model)  # doctest: +SKIP
-    variable            shape       layout          per-device shape  bytes/device
-    dense/kernel        (16, 64)    (None, 'model') (16, 16)          1,024
+    Examples:
+        >>> tfmp.summary(model)  # doctest: +SKIP
+        variable            shape       layout          per-device shape  bytes/device
+        dense/kernel        (16, 64)    (None, 'model') (16, 16)          1,024
     """
     rows = placements(model)
     table = [("variable", "shape", "layout", "per-device shape", "bytes/device")]

@@ -26,10 +26,9 @@ class ParallelMultiHeadAttention(DeclaresLayouts, keras.layers.MultiHeadAttentio
         axis: The mesh axis to split heads over.
         **kwargs: Any other `keras.layers.MultiHeadAttention` argument.
 
-    Example:
-
-    >>> import tfmp
-    >>> attention = tfmp.layers.ParallelMultiHeadAttention(8, 64, axis="model")
+    Examples:
+        >>> import tfmp
+        >>> attention = tfmp.layers.ParallelMultiHeadAttention(8, 64, axis="model")
     """
 
     def __init__(self, num_heads: int, key_dim: int, axis: str = "model", **kwargs: Any):

@@ -44,14 +44,13 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
         axis: The mesh axis to split over.
         **kwargs: Any other `keras.layers.Conv2D` argument.
 
-    Example:
-
-    >>> import keras, tfmp
-    >>> cnn = keras.Sequential([
-    ...     keras.Input((32, 32, 3)),
-    ...     tfmp.layers.ParallelConv2D(64, 3, padding="same", split="filters"),
-    ...     tfmp.layers.ParallelConv2D(64, 3, padding="same", split="channels"),
-    ... ])
+    Examples:
+        >>> import keras, tfmp
+        >>> cnn = keras.Sequential([
+        ...     keras.Input((32, 32, 3)),
+        ...     tfmp.layers.ParallelConv2D(64, 3, padding="same", split="filters"),
+        ...     tfmp.layers.ParallelConv2D(64, 3, padding="same", split="channels"),
+        ... ])
     """
 
     def __init__(

@@ -22,14 +22,13 @@ class ColumnParallelDense(DeclaresLayouts, keras.layers.Dense):
         axis: The mesh axis to split over.
         **kwargs: Any other `keras.layers.Dense` argument.
 
-    Example:
-
-    >>> import keras, tfmp
-    >>> mlp = keras.Sequential([
-    ...     keras.Input((16,)),
-    ...     tfmp.layers.ColumnParallelDense(64, activation="relu"),
-    ...     tfmp.layers.RowParallelDense(16),
-    ... ])
+    Examples:
+        >>> import keras, tfmp
+        >>> mlp = keras.Sequential([
+        ...     keras.Input((16,)),
+        ...     tfmp.layers.ColumnParallelDense(64, activation="relu"),
+        ...     tfmp.layers.RowParallelDense(16),
+        ... ])
     """
 
     def __init__(self, units: int, axis: str = "model", **kwargs: Any):
@@ -53,10 +52,9 @@ class RowParallelDense(DeclaresLayouts, keras.layers.Dense):
         axis: The mesh axis to split over.
         **kwargs: Any other `keras.layers.Dense` argument.
 
-    Example:
-
-    >>> import tfmp
-    >>> layer = tfmp.layers.RowParallelDense(16, axis="model")
+    Examples:
+        >>> import tfmp
+        >>> layer = tfmp.layers.RowParallelDense(16, axis="model")
     """
 
     def __init__(self, units: int, axis: str = "model", **kwargs: Any):

@@ -32,10 +32,9 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
         axis: The mesh axis to split the vocabulary over.
         **kwargs: Any other `keras.layers.Embedding` argument.
 
-    Example:
-
-    >>> import tfmp
-    >>> embed = tfmp.layers.VocabParallelEmbedding(8192, 512, axis="model")
+    Examples:
+        >>> import tfmp
+        >>> embed = tfmp.layers.VocabParallelEmbedding(8192, 512, axis="model")
     """
 
     def __init__(self, input_dim: int, output_dim: int, axis: str = "model", **kwargs: Any):

@@ -29,11 +29,10 @@ class Sharded(DeclaresLayouts, keras.layers.Wrapper):
         ValueError: If `layer` is already built, or, once built, a key of
             `layouts` names no weight of the layer.
 
-    Example:
-
-    >>> import keras, tfmp
-    >>> dense = tfmp.layers.Sharded(keras.layers.Dense(64), {"kernel": (None, "model")})
-    >>> same = tfmp.layers.Sharded(keras.layers.Dense(64), {"kernel": (None, True)})
+    Examples:
+        >>> import keras, tfmp
+        >>> dense = tfmp.layers.Sharded(keras.layers.Dense(64), {"kernel": (None, "model")})
+        >>> same = tfmp.layers.Sharded(keras.layers.Dense(64), {"kernel": (None, True)})
     """
 
     def __init__(

@@ -75,22 +75,21 @@ def balance(
             layer is not built, or (for `"flops"`) a layer's output shape is
             unknown.
 
-    Example:
-
-    >>> import keras
-    >>> from tfmp.pipeline.balance import balance, stage_costs
-    >>> model = keras.Sequential([
-    ...     keras.Input((8,)),
-    ...     keras.layers.Dense(8),   # 72 parameters
-    ...     keras.layers.Dense(8),   # 72
-    ...     keras.layers.Dense(16),  # 144
-    ...     keras.layers.Dense(4),   # 68
-    ... ])
-    >>> stages = balance(model, num_stages=2)
-    >>> [len(stage) for stage in stages]
-    [2, 2]
-    >>> stage_costs(stages)
-    [144, 212]
+    Examples:
+        >>> import keras
+        >>> from tfmp.pipeline.balance import balance, stage_costs
+        >>> model = keras.Sequential([
+        ...     keras.Input((8,)),
+        ...     keras.layers.Dense(8),   # 72 parameters
+        ...     keras.layers.Dense(8),   # 72
+        ...     keras.layers.Dense(16),  # 144
+        ...     keras.layers.Dense(4),   # 68
+        ... ])
+        >>> stages = balance(model, num_stages=2)
+        >>> [len(stage) for stage in stages]
+        [2, 2]
+        >>> stage_costs(stages)
+        [144, 212]
     """
     _check_by(by)
     layers = _layers_of(model_or_layers)

@@ -30,16 +30,15 @@ class LayerGroup(keras.layers.Layer):
             trading one more forward for activation memory.
         **kwargs: Base `keras.layers.Layer` arguments (`name`, ...).
 
-    Example:
-
-    >>> import keras, tfmp
-    >>> model = keras.Sequential([
-    ...     keras.Input((16,)),
-    ...     tfmp.layers.LayerGroup([keras.layers.Dense(32, activation="relu")], stage=0),
-    ...     tfmp.layers.LayerGroup([keras.layers.Dense(8)], stage=1),
-    ... ])
-    >>> model(keras.ops.ones((4, 16))).shape
-    TensorShape([4, 8])
+    Examples:
+        >>> import keras, tfmp
+        >>> model = keras.Sequential([
+        ...     keras.Input((16,)),
+        ...     tfmp.layers.LayerGroup([keras.layers.Dense(32, activation="relu")], stage=0),
+        ...     tfmp.layers.LayerGroup([keras.layers.Dense(8)], stage=1),
+        ... ])
+        >>> model(keras.ops.ones((4, 16))).shape
+        TensorShape([4, 8])
     """
 
     def __init__(

@@ -15,7 +15,7 @@ from tfmp.auto_layout import auto_layout
 from tfmp.layout import LayoutMap, axes_to_layout, declared_layout
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
-from tfmp.strategy.input import MeshDataset
+from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
 from tfmp.strategy.stages import StageMeshes, current_stage, stage_scalars
@@ -283,11 +283,18 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         return MeshDataset(dataset, self.placer, self.first_step_graphs)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        """Each client reads its own part of every batch: `dataset_fn` gets an
+        `InputContext` whose pipelines are the clients' parts of the batch
+        axis, and returns batches of this client's rows only."""
         del options
+        self.warn_unmatched_layout_rules()
+        pipelines, pipeline_id = self.placer.input_pipelines()
         context = tf.distribute.InputContext(
-            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
+            num_input_pipelines=pipelines, input_pipeline_id=pipeline_id, num_replicas_in_sync=1
         )
-        return self._experimental_distribute_dataset(dataset_fn(context), None)
+        return ClientMeshDataset(
+            dataset_fn(context), self.placer, self.first_step_graphs, local_rows=pipelines > 1
+        )
 
     def _experimental_distribute_values_from_function(self, value_fn):
         return self.placer.place(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import input_lib
 
 from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.placement import BatchPlacer
@@ -24,6 +26,8 @@ class MeshDataset:
         dataset: A batched `tf.data.Dataset`.
         placer: Packs each batch onto the mesh.
         first_step_graphs: Told of every batch, to keep the first step's graphs.
+        local_rows: Whether each batch is only this client's rows of the
+            global batch (from `distribute_datasets_from_function`).
     """
 
     def __init__(
@@ -31,10 +35,17 @@ class MeshDataset:
         dataset: tf.data.Dataset,
         placer: BatchPlacer,
         first_step_graphs: FirstStepGraphs,
+        local_rows: bool = False,
     ):
         self._dataset = dataset
         self._placer = placer
         self._first_step_graphs = first_step_graphs
+        self._local_rows = local_rows
+
+    @property
+    def cardinality(self) -> np.int64:
+        """Batches per epoch, as Keras reads it from a distributed dataset."""
+        return np.int64(self._dataset.cardinality())
 
     @property
     def element_spec(self) -> Any:
@@ -47,7 +58,13 @@ class MeshDataset:
             self._placer,
             cardinality != tf.data.UNKNOWN_CARDINALITY,
             self._first_step_graphs,
+            self._local_rows,
         )
+
+
+class ClientMeshDataset(MeshDataset, input_lib.DistributedDatasetsFromFunction):
+    """What `distribute_datasets_from_function` returns: a `MeshDataset` that
+    Keras' `fit` takes as it is (it recognizes the TF class by name)."""
 
 
 class MeshIterator:
@@ -59,7 +76,9 @@ class MeshIterator:
         placer: BatchPlacer,
         known_length: bool,
         first_step_graphs: FirstStepGraphs,
+        local_rows: bool = False,
     ):
+        self._local_rows = local_rows
         self._host_iterator = host_iterator
         self._placer = placer
         self._known_length = known_length
@@ -87,7 +106,7 @@ class MeshIterator:
             raise tf.errors.OutOfRangeError(None, None, "End of dataset.")
         self._first_step_graphs.on_batch()
         self._next = self._pull()
-        return self._placer.place_batch(batch, is_last_batch=self._next is None)
+        return self._placer.place_batch(batch, self._next is None, self._local_rows)
 
     def get_next(self) -> Any:
         return next(self)

@@ -9,12 +9,16 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 
-def to_layout(value: Any, layout: dtensor.Layout) -> tf.Tensor:
+def to_layout(value: Any, layout: dtensor.Layout, local_rows: bool = False) -> tf.Tensor:
     """Returns `value` as a DTensor with `layout`.
 
     Host values are sliced on the host and each device receives only its shard;
     DTensors on the same mesh are relayouted; DTensors on another mesh go
     through the host.
+
+    With `local_rows`, `value` holds only the rows (dimension 0) of the
+    positions along its split that this client's devices hold, in order: a
+    client's own part of a batch, in a multi-client run.
     """
     if dtensor.is_dtensor(value):
         current = dtensor.fetch_layout(value)
@@ -27,24 +31,29 @@ def to_layout(value: Any, layout: dtensor.Layout) -> tf.Tensor:
     if layout.is_fully_replicated():
         return dtensor.copy_to_mesh(value, layout)
     mesh = layout.mesh
+    locations = mesh.local_device_locations()
     split_dims = [
         (dim, spec)
         for dim, spec in enumerate(layout.sharding_specs)
         if spec != dtensor.UNSHARDED
     ]
+    # Which piece of each split dimension a position along its axis takes.
+    pieces = {spec: list(range(mesh.dim_size(spec))) for _, spec in split_dims}
+    if local_rows and split_dims and split_dims[0][0] == 0:
+        spec = split_dims[0][1]
+        pieces[spec] = sorted({location[spec] for location in locations})
     with tf.device(value.device):  # split on the host, not on the mesh
         blocks = {(): value}
         for dim, spec in split_dims:
             blocks = {
-                key + (index,): piece
+                key + (position,): piece
                 for key, block in blocks.items()
-                for index, piece in enumerate(
-                    tf.split(block, mesh.dim_size(spec), axis=dim)
+                for position, piece in zip(
+                    pieces[spec], tf.split(block, len(pieces[spec]), axis=dim)
                 )
             }
     components = [
-        blocks[tuple(location[spec] for _, spec in split_dims)]
-        for location in mesh.local_device_locations()
+        blocks[tuple(location[spec] for _, spec in split_dims)] for location in locations
     ]
     return dtensor.pack(components, layout)
 
@@ -103,29 +112,59 @@ class BatchPlacer:
         self.batch_parts = mesh.dim_size(batch_axis) if batch_axis else 1
         self._warned = False
 
-    def place(self, structure: Any, is_last_batch: bool = True, targets: bool = False) -> Any:
+    def place(
+        self,
+        structure: Any,
+        is_last_batch: bool = True,
+        targets: bool = False,
+        local_rows: bool = False,
+    ) -> Any:
         """Packs every host tensor or array in `structure` onto the mesh
-        (inputs onto the input mesh, `targets` onto the output mesh)."""
+        (inputs onto the input mesh, `targets` onto the output mesh); with
+        `local_rows`, each holds only this client's rows of the batch."""
         mesh = self.mesh if targets else self.input_mesh
         return tf.nest.map_structure(
-            lambda x: self.place_tensor(x, is_last_batch, mesh), structure
+            lambda x: self.place_tensor(x, is_last_batch, mesh, local_rows), structure
         )
 
-    def place_batch(self, batch: Any, is_last_batch: bool = True) -> Any:
+    def place_batch(self, batch: Any, is_last_batch: bool = True, local_rows: bool = False) -> Any:
         """Packs an `(x, y, sample_weight)` batch: `x` as inputs, the rest as targets."""
         if self.input_mesh is self.mesh or not isinstance(batch, tuple) or len(batch) < 2:
-            return self.place(batch, is_last_batch)
-        return (self.place(batch[0], is_last_batch),) + self.place(
-            batch[1:], is_last_batch, targets=True
+            return self.place(batch, is_last_batch, local_rows=local_rows)
+        return (self.place(batch[0], is_last_batch, local_rows=local_rows),) + self.place(
+            batch[1:], is_last_batch, targets=True, local_rows=local_rows
         )
 
+    def input_pipelines(self) -> tuple[int, int]:
+        """How many clients' parts a batch has, and which is this client's:
+        the clients split the batch where the batch axis separates them."""
+        if not self.batch_axis:
+            return 1, 0
+        positions = sorted({loc[self.batch_axis] for loc in self.input_mesh.local_device_locations()})
+        return self.batch_parts // len(positions), positions[0] // len(positions)
+
     def place_tensor(
-        self, value: Any, is_last_batch: bool = True, mesh: dtensor.Mesh | None = None
+        self,
+        value: Any,
+        is_last_batch: bool = True,
+        mesh: dtensor.Mesh | None = None,
+        local_rows: bool = False,
     ) -> Any:
         if value is None or dtensor.is_dtensor(value) or not _is_array(value):
             return value
         value = tf.convert_to_tensor(value)
-        return to_layout(value, self.layout_for(value.shape, is_last_batch, mesh))
+        shape = value.shape
+        if local_rows and shape.rank:
+            parts = self.input_pipelines()[0]
+            if parts > 1 and shape[0] % (self.batch_parts // parts):
+                raise ValueError(
+                    f"This client's part of a batch has {shape[0]} rows, which do not "
+                    f"split over its {self.batch_parts // parts} positions of mesh axis "
+                    f"{self.batch_axis!r}. Batch each client's data with a multiple of "
+                    f"{self.batch_parts // parts} rows (drop_remainder=True)."
+                )
+            shape = tf.TensorShape([shape[0] * parts]).concatenate(shape[1:])
+        return to_layout(value, self.layout_for(shape, is_last_batch, mesh), local_rows)
 
     def layout_for(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from tfmp.layout import LayoutMap, as_layout_map
@@ -44,23 +45,22 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             backwards) or `"1f1b"` (one forward, one backward, which keeps at
             most as many micro-batches' activations as there are stages).
 
-    Example:
-
-    >>> import keras, tfmp
-    >>> tfmp.simulate_devices(8)  # doctest: +SKIP
-    >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
-    >>> layout_map = tfmp.LayoutMap(mesh)
-    >>> layout_map["dense/kernel"] = (None, "model")
-    >>> layout_map["dense_1/kernel"] = ("model", None)
-    >>> strategy = tfmp.ModelParallelStrategy(mesh, layout_map)
-    >>> with strategy.scope():
-    ...     model = keras.Sequential([
-    ...         keras.Input((16,)),
-    ...         keras.layers.Dense(64, activation="relu", name="dense"),
-    ...         keras.layers.Dense(4, name="dense_1"),
-    ...     ])
-    ...     model.compile(optimizer="adam", loss="mse")
-    >>> model.fit(x, y, batch_size=32)  # doctest: +SKIP
+    Examples:
+        >>> import keras, tfmp
+        >>> tfmp.simulate_devices(8)  # doctest: +SKIP
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+        >>> layout_map = tfmp.LayoutMap(mesh)
+        >>> layout_map["dense/kernel"] = (None, "model")
+        >>> layout_map["dense_1/kernel"] = ("model", None)
+        >>> strategy = tfmp.ModelParallelStrategy(mesh, layout_map)
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([
+        ...         keras.Input((16,)),
+        ...         keras.layers.Dense(64, activation="relu", name="dense"),
+        ...         keras.layers.Dense(4, name="dense_1"),
+        ...     ])
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(x, y, batch_size=32)  # doctest: +SKIP
     """
 
     def __init__(
@@ -94,6 +94,61 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             )
         )
         keras_hooks.install()
+
+    @classmethod
+    def from_keras(cls, distribution: Any, **kwargs: Any) -> "ModelParallelStrategy":
+        """Returns the strategy equivalent to a `keras.distribution` distribution.
+
+        The TensorFlow backend of Keras ignores `keras.distribution` (its
+        variables stay plain and unsplit); this runs the same distribution
+        with tfmp. A `keras.distribution.ModelParallel` gives its device mesh,
+        layout map and batch dimension name; a `keras.distribution.DataParallel`
+        gives its device mesh and batch dimension name (its first mesh axis),
+        with every variable replicated. The rules of a Keras `LayoutMap` are
+        used as tfmp rules (searched in variable paths with `re.search`).
+
+        Args:
+            distribution: A `keras.distribution.ModelParallel` or
+                `keras.distribution.DataParallel`.
+            **kwargs: Other arguments of `ModelParallelStrategy`
+                (`num_microbatches`, `schedule`).
+
+        Returns:
+            A `ModelParallelStrategy` over the distribution's mesh.
+
+        Raises:
+            TypeError: If `distribution` is neither of these.
+
+        Example:
+
+        >>> import keras, keras_hub, tfmp  # doctest: +SKIP
+        >>> mesh = keras.distribution.DeviceMesh(
+        ...     (2, 4), ("batch", "model"), keras.distribution.list_devices())
+        >>> layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+        >>> distribution = keras.distribution.ModelParallel(
+        ...     layout_map=layout_map, batch_dim_name="batch")
+        >>> strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
+        >>> with strategy.scope():
+        ...     backbone = keras_hub.models.GemmaBackbone(...)
+        """
+        if isinstance(distribution, keras.distribution.ModelParallel):
+            # Keras has no public getter for a ModelParallel's layout map.
+            layout_map = distribution._layout_map  # noqa: SLF001
+        elif isinstance(distribution, keras.distribution.DataParallel):
+            layout_map = None
+        else:
+            raise TypeError(
+                "ModelParallelStrategy.from_keras takes a "
+                "keras.distribution.ModelParallel or keras.distribution.DataParallel, "
+                f"got {type(distribution).__name__}: {distribution!r}. For a mesh and "
+                "layout map of your own, call ModelParallelStrategy(mesh, layout_map)."
+            )
+        return cls(
+            distribution.device_mesh,
+            layout_map,
+            batch_axis=distribution.batch_dim_name,
+            **kwargs,
+        )
 
     @property
     def mesh(self) -> DeviceMesh:
