@@ -38,11 +38,14 @@ import tfmp
 
 # Sizes of the two modes: the small one runs in seconds on 2 CPU cores.
 SIZES = {
-    "small": {"image_size": 16, "widths": (16, 32), "images": 1024, "epochs": 4},
+    "small": {"image_size": 16, "widths": (16, 32), "images": 768, "epochs": 3},
     "full": {"image_size": 64, "widths": (64, 128, 256), "images": 16384, "epochs": 8},
 }
 NUM_CLASSES = 4  # the quadrant of the bright square
 SQUARE = 4  # side of the square, in pixels
+# A faint square in strong noise, so that learning takes more than one epoch.
+BRIGHTNESS = 0.5
+NOISE = 0.6
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,13 +61,13 @@ def make_images(count: int, image_size: int, seed: int = 0):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    images = rng.normal(0.0, 0.3, size=(count, image_size, image_size, 3)).astype("float32")
+    images = rng.normal(0.0, NOISE, size=(count, image_size, image_size, 3)).astype("float32")
     labels = rng.integers(0, NUM_CLASSES, size=count).astype("int32")
     half = image_size // 2
     for image, label in zip(images, labels):
         top = (label // 2) * half + rng.integers(0, half - SQUARE + 1)
         left = (label % 2) * half + rng.integers(0, half - SQUARE + 1)
-        image[top : top + SQUARE, left : left + SQUARE] += 1.0
+        image[top : top + SQUARE, left : left + SQUARE] += BRIGHTNESS
     return images, labels
 
 

@@ -1,17 +1,19 @@
 """The training and evaluation steps of a pipeline model.
 
 A training step splits the batch into micro-batches and emits each stage's
-forward and backward passes in its schedule's order, chaining each stage's
-passes with control dependencies: stages then run concurrently on their own
-devices while each follows its schedule. Each stage's backward pass is its
-own gradient computation, so its ops run on its devices and its input's
-gradient is handed to the previous stage like an activation. Gradients of
-the micro-batches are summed before one optimizer update, and each
-micro-batch's loss is weighted so that the sum is the whole batch's loss.
+forward and backward passes in its schedule's order. Stages run concurrently
+on their own devices; with an ordered schedule (1F1B, or recompute) each
+stage's passes are chained by a data tie, since DTensor drops control
+dependencies. Each stage's backward pass is its own gradient computation, so
+its ops run on its devices and its input's gradient is handed to the
+previous stage like an activation. Gradients of the micro-batches are summed
+as they arrive, for one optimizer update, and each micro-batch's loss is
+weighted so that the sum is the whole batch's loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -169,7 +171,7 @@ class _Pipeline:
     ) -> tuple[Any, Any, tf.GradientTape | None]:
         group = self.groups[stage]
         tape = tf.GradientTape() if record else None
-        with tape or _no_tape():
+        with tape or contextlib.nullcontext():
             if tape is not None and stage > 0:
                 tape.watch(stage_input)
             outputs = group(stage_input, training=True, arrived=True)
@@ -203,14 +205,6 @@ class _Pipeline:
 
     def summed_gradients(self, variables: list) -> list[tuple[Any, Any]]:
         return [(self.gradients.get(id(v)), v) for v in variables]
-
-
-class _no_tape:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _element(value: tf.Tensor, mesh: DeviceMesh) -> tf.Tensor:
