@@ -15,11 +15,12 @@ Two callbacks put their figures into `History` and TensorBoard:
   communicates per device (gradients, activations, per mesh axis) and
   `sync/mismatched_variables`, a bit-for-bit check that replicas agree.
 
-Run (8 simulated CPU devices; about 40 s on 2 cores):
+Run (8 simulated CPU devices; about 30 s on 2 cores):
 
     python examples/gpt_tensor_data_parallel.py
 
-Full size (a wider, longer-context LM; minutes on a CPU):
+Full size (7.4 million parameters, 128-token context; meant for 8 GPUs or TPU
+cores, slow on a CPU):
 
     python examples/gpt_tensor_data_parallel.py --full --log-dir logs/gpt
 
@@ -33,9 +34,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-import tfmp
+import keras
 
-# Sizes of the two modes: the small one runs in seconds on 2 CPU cores.
+import tfmp
+from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
+
+# Sizes of the two modes: the small one runs in under a minute on 2 CPU cores.
 SIZES = {
     "small": {"vocab_size": 64, "seq_len": 16, "d_model": 64, "ffn_dim": 128, "sequences": 512, "epochs": 3},
     "full": {"vocab_size": 4096, "seq_len": 128, "d_model": 512, "ffn_dim": 2048, "sequences": 16384, "epochs": 5},
@@ -52,15 +56,18 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def mesh_devices(count: int) -> list[str]:
+    """`count` GPUs or TPU cores when the host has that many, else `count` of
+    the simulated CPU devices."""
+    preferred = tfmp.list_devices()
+    return (preferred if len(preferred) >= count else tfmp.list_devices("CPU"))[:count]
+
+
 def main() -> None:
     args = parse_args()
     size = SIZES["full" if args.full else "small"]
     tfmp.simulate_devices(8)  # 8 logical CPU devices: must come before any TensorFlow op
-    import keras
-
-    from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
-
-    mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+    mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"), mesh_devices(8))
     strategy = tfmp.ModelParallelStrategy(mesh, megatron_layout_map(mesh))
     print(f"mesh: {mesh}")
     keras.utils.set_random_seed(0)

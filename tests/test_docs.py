@@ -35,6 +35,11 @@ def test_docs_build_strict(tmp_path):
     assert not missing, missing
     # Google-style sections were parsed, not left as text.
     assert "Parameters:" in api and "Examples:" in api
+    # Doctest lines outside an indented `Examples:` section render as nested quotes.
+    assert "<blockquote>\n<blockquote>" not in api, (
+        "a docstring has `>>>` lines outside an `Examples:` section: write them "
+        "indented under `Examples:`"
+    )
     for page in ("concepts", "guide", "tensor-parallel", "pipeline", "multi-host",
                  "callbacks", "troubleshooting"):
         assert (site / page / "index.html").exists(), page

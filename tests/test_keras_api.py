@@ -170,13 +170,15 @@ def test_keras_mesh_and_layout_map_are_accepted():
         (2, 4), ("batch", "model"), [f"cpu:{i}" for i in range(8)]
     )
     keras_map = keras.distribution.LayoutMap(keras_mesh)
+    # Keras matches the whole path: this key names no variable there, or here.
     keras_map["up/kernel"] = (None, "model")
+    keras_map[".*down/kernel"] = ("model", None)
     strategy = tfmp.ModelParallelStrategy(keras_mesh, keras_map)
     assert strategy.mesh.shape == (2, 4)
     with strategy.scope():
         model = build_mlp()
-    assert model.get_layer("up").kernel.value.layout.sharding_specs == ["unsharded", "model"]
-    assert model.get_layer("down").kernel.value.layout.is_fully_replicated()
+    assert model.get_layer("up").kernel.value.layout.is_fully_replicated()
+    assert model.get_layer("down").kernel.value.layout.sharding_specs == ["model", "unsharded"]
 
 
 def test_eager_call_of_a_causal_transformer():

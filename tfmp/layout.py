@@ -20,14 +20,17 @@ class LayoutMap(collections.abc.MutableMapping):
     """Maps variable paths to the mesh axes their dimensions are split over.
 
     Keys are regular expressions matched with `re.search` against a Keras
-    variable's path (e.g. `"dense_1/kernel"`); values give, per dimension of
-    the variable, the mesh axis that dimension is split over, or `None` to keep
-    it whole. Variables no rule matches are replicated. As
-    `keras.distribution.LayoutMap`, of which an instance is accepted wherever a
-    `LayoutMap` is.
+    variable's path (e.g. `"dense_1/kernel"` matches `"mlp/dense_1/kernel"`);
+    values give, per dimension of the variable, the mesh axis that dimension
+    is split over, or `None` to keep it whole. Variables no rule matches are
+    replicated. A `keras.distribution.LayoutMap` is accepted wherever a
+    `LayoutMap` is, and keeps its own matching: the whole path must match
+    (`re.fullmatch`), as on the JAX backend.
 
     Args:
         mesh: The `tfmp.DeviceMesh` (or Keras `DeviceMesh`) the axes refer to.
+        whole_path: Match keys against the whole path (`re.fullmatch`), as
+            `keras.distribution.LayoutMap` does, rather than anywhere in it.
 
     Examples:
         >>> import tfmp
@@ -37,8 +40,9 @@ class LayoutMap(collections.abc.MutableMapping):
         >>> layout_map["dense_2/kernel"] = ("model", None)  # row-parallel
     """
 
-    def __init__(self, mesh: Any):
+    def __init__(self, mesh: Any, whole_path: bool = False):
         self._mesh = as_device_mesh(mesh)
+        self._matches = re.fullmatch if whole_path else re.search
         self._rules: dict[str, Axes] = {}
         self._matched: set[str] = set()
         self.reasons: dict[str, str] = {}  # why a planner left a variable whole
@@ -83,7 +87,7 @@ class LayoutMap(collections.abc.MutableMapping):
     def _find_key(self, path: str) -> str | None:
         if path in self._rules:
             return path
-        keys = [key for key in self._rules if re.search(key, path)]
+        keys = [key for key in self._rules if self._matches(key, path)]
         if len(keys) > 1:
             raise ValueError(
                 f"Variable path {path!r} matches several LayoutMap keys {keys}; "
@@ -123,7 +127,8 @@ def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
                 "on the strategy's mesh."
             )
         return layout_map
-    converted = LayoutMap(mesh)
+    keras_map = type(layout_map).__module__.startswith("keras")
+    converted = LayoutMap(mesh, whole_path=keras_map)
     if layout_map is None:
         return converted
     if not hasattr(layout_map, "items"):

@@ -119,17 +119,16 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         Raises:
             TypeError: If `distribution` is neither of these.
 
-        Example:
-
-        >>> import keras, keras_hub, tfmp  # doctest: +SKIP
-        >>> mesh = keras.distribution.DeviceMesh(
-        ...     (2, 4), ("batch", "model"), keras.distribution.list_devices())
-        >>> layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-        >>> distribution = keras.distribution.ModelParallel(
-        ...     layout_map=layout_map, batch_dim_name="batch")
-        >>> strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
-        >>> with strategy.scope():
-        ...     backbone = keras_hub.models.GemmaBackbone(...)
+        Examples:
+            >>> import keras, keras_hub, tfmp  # doctest: +SKIP
+            >>> mesh = keras.distribution.DeviceMesh(
+            ...     (2, 4), ("batch", "model"), keras.distribution.list_devices())
+            >>> layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+            >>> distribution = keras.distribution.ModelParallel(
+            ...     layout_map=layout_map, batch_dim_name="batch")
+            >>> strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
+            >>> with strategy.scope():
+            ...     backbone = keras_hub.models.GemmaBackbone(...)
         """
         if isinstance(distribution, keras.distribution.ModelParallel):
             # Keras has no public getter for a ModelParallel's layout map.

@@ -48,6 +48,21 @@ class ShardedVariable(dtensor.DVariable):
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return super().assign_sub(self._on_mesh(delta), use_locking, name, read_value)
 
+    # DTensor has no layout propagation for ResourceScatterAdd/Sub ("op does
+    # not implement layout propagation"), which Keras' optimizers run for a
+    # sparse gradient (an Embedding's, under SGD). Applied dense, the update
+    # is the same: duplicate indices add up, as in a scatter.
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        return self.assign_add(self._dense(sparse_delta), use_locking, name)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        return self.assign_sub(self._dense(sparse_delta), use_locking, name)
+
+    def _dense(self, sparse_delta: tf.IndexedSlices) -> tf.Tensor:
+        return tf.math.unsorted_segment_sum(
+            tf.cast(sparse_delta.values, self.dtype), sparse_delta.indices, self.shape[0]
+        )
+
     def numpy(self) -> np.ndarray:
         return replicate(self.read_value()).numpy()
 

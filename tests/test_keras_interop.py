@@ -1,0 +1,352 @@
+"""`keras.distribution` and KerasHub layout maps run on tfmp, with single-device numbers."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from helpers import (
+    SEED,
+    assert_weights_close,
+    build_mlp,
+    compile_mlp,
+    initial_weights,
+    mlp_data,
+    train,
+)
+
+
+def keras_mesh(shape, axis_names, devices=None):
+    """A Keras DeviceMesh over Keras' own device names (`"cpu:0"`, ...)."""
+    devices = keras.distribution.list_devices() if devices is None else devices
+    return keras.distribution.DeviceMesh(shape, axis_names, devices[: int(np.prod(shape))])
+
+
+def assert_fit_matches_single_device(build, compile_fn, strategy, x, y, **fit_kwargs):
+    """Fits `build()` on one device and in the strategy's scope from the same
+    weights (same optimizer and batches); per-step losses, history, final weights and
+    predictions agree to 1e-5. Returns the mesh model and the largest
+    differences, for the report."""
+    weights = initial_weights(build)
+    reference = compile_fn(build())
+    reference.set_weights(weights)
+    with strategy.scope():
+        model = compile_fn(build())
+        model.set_weights(weights)
+    ref_losses, ref_history = train(reference, x, y, **fit_kwargs)
+    losses, history = train(model, x, y, **fit_kwargs)
+
+    assert len(losses) == len(ref_losses) >= 5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for key, values in ref_history.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-5)
+    ref_final, final = reference.get_weights(), model.get_weights()
+    assert_weights_close(ref_final, final)
+    ref_predictions = reference.predict(x, verbose=0)
+    predictions = model.predict(x, verbose=0)
+    np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-5, atol=1e-5)
+    differences = {
+        "loss": float(np.max(np.abs(np.subtract(losses, ref_losses)))),
+        "weights": max(float(np.max(np.abs(a - b))) for a, b in zip(ref_final, final)),
+        "predictions": float(np.max(np.abs(predictions - ref_predictions))),
+    }
+    print(f"max |difference| to one device: {differences}")
+    return model, differences
+
+
+def specs(variable):
+    return list(variable.value.layout.sharding_specs)
+
+
+# keras.distribution -> ModelParallelStrategy ----------------------------------
+
+
+def test_from_keras_model_parallel_mlp_matches_single_device():
+    device_mesh = keras_mesh((2, 4), ("batch", "model"))
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map[".*up/bias"] = ("model",)
+    layout_map[".*down/kernel"] = ("model", None)
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+    strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
+
+    assert isinstance(strategy, tfmp.ModelParallelStrategy)
+    assert strategy.mesh.shape == (2, 4)
+    assert strategy.mesh.axis_names == ("batch", "model")
+    assert list(strategy.mesh.devices.flatten()) == [f"/device:CPU:{i}" for i in range(8)]
+    assert strategy.batch_axis == "batch"
+    assert dict(strategy.layout_map) == {
+        ".*up/kernel": (None, "model"),
+        ".*up/bias": ("model",),
+        ".*down/kernel": ("model", None),
+    }
+    model, _ = assert_fit_matches_single_device(
+        build_mlp, compile_mlp, strategy, *mlp_data(), batch_size=16, epochs=2
+    )
+    assert specs(model.get_layer("up").kernel) == ["unsharded", "model"]
+    assert specs(model.get_layer("up").bias) == ["model"]
+    assert specs(model.get_layer("down").kernel) == ["model", "unsharded"]
+    assert specs(model.get_layer("down").bias) == ["unsharded"]
+
+
+def test_from_keras_model_parallel_batch_dim_name():
+    """The batch goes over the distribution's batch dimension, whatever its name."""
+    device_mesh = keras_mesh((4, 2), ("data", "model"), [f"CPU:{i}" for i in range(8)])
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    strategy = tfmp.ModelParallelStrategy.from_keras(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    )
+    assert strategy.batch_axis == "data"
+    assert strategy.mesh.shape == (4, 2)
+    assert list(strategy.mesh.devices.flatten()) == [f"/device:CPU:{i}" for i in range(8)]
+
+
+def test_from_keras_data_parallel_mlp_matches_single_device():
+    distribution = keras.distribution.DataParallel(devices=keras.distribution.list_devices())
+
+    strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
+
+    assert strategy.mesh.shape == (8,)
+    assert strategy.mesh.axis_names == ("batch",)
+    assert strategy.batch_axis == "batch"
+    assert len(strategy.layout_map) == 0
+    model, _ = assert_fit_matches_single_device(
+        build_mlp, compile_mlp, strategy, *mlp_data(), batch_size=16, epochs=2
+    )
+    assert all(v.value.layout.is_fully_replicated() for v in model.variables)
+
+
+def test_from_keras_data_parallel_takes_its_mesh_and_batch_axis():
+    """A DataParallel over a mesh of its own: its axis splits the batch, and no
+    variable is split. (Keras 3.15's DataParallel fails to warn about a 2-D
+    mesh, `TypeError: category must be a Warning subclass`, so only 1-D.)"""
+    distribution = keras.distribution.DataParallel(
+        device_mesh=keras_mesh((8,), ("data",), [f"CPU:{i}" for i in range(8)])
+    )
+    strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
+    assert (strategy.mesh.shape, strategy.batch_axis) == ((8,), "data")
+    assert list(strategy.mesh.devices) == [f"/device:CPU:{i}" for i in range(8)]
+    assert len(strategy.layout_map) == 0
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        keras.distribution.LayoutMap(None),
+        "model_parallel",
+    ],
+    ids=["None", "LayoutMap", "str"],
+)
+def test_from_keras_rejects_anything_else(value):
+    with pytest.raises(TypeError, match=type(value).__name__) as raised:
+        tfmp.ModelParallelStrategy.from_keras(value)
+    message = str(raised.value)
+    assert "keras.distribution.ModelParallel" in message
+    assert "keras.distribution.DataParallel" in message
+    assert "ModelParallelStrategy(mesh, layout_map)" in message
+
+
+def test_from_keras_rejects_a_tfmp_mesh():
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        tfmp.ModelParallelStrategy.from_keras(tfmp.DeviceMesh((2, 4), ("batch", "model")))
+
+
+@pytest.mark.parametrize(
+    "embedding_axes", [("model", "batch"), None], ids=["split", "replicated"]
+)
+def test_embedding_under_sgd_matches_single_device(embedding_axes):
+    """Keras' SGD applies an Embedding's sparse gradient with a scatter
+    (`ResourceScatterSub`), which DTensor cannot lay out; tfmp applies it dense."""
+
+    def build():
+        return keras.Sequential(
+            [
+                keras.Input((8,), dtype="int32"),
+                keras.layers.Embedding(64, 16, name="embed"),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(4, name="head"),
+            ],
+            name="bag",
+        )
+
+    def compile_fn(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        return model
+
+    layout_map = keras.distribution.LayoutMap(keras_mesh((2, 4), ("batch", "model")))
+    if embedding_axes:
+        layout_map[".*embed/embeddings"] = embedding_axes
+    strategy = tfmp.ModelParallelStrategy.from_keras(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+    rng = np.random.default_rng(SEED)
+    x = rng.integers(0, 64, size=(32, 8)).astype("int32")  # repeated ids in each batch
+    y = rng.normal(size=(32, 4)).astype("float32")
+
+    model, _ = assert_fit_matches_single_device(
+        build, compile_fn, strategy, x, y, batch_size=8, epochs=2
+    )
+    want = list(embedding_axes) if embedding_axes else ["unsharded", "unsharded"]
+    assert specs(model.get_layer("embed").embeddings) == want
+
+
+# KerasHub backbones with their own layout maps ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def keras_hub():
+    import keras_hub  # in the test extra: missing, these tests fail rather than skip
+
+    return keras_hub
+
+
+def token_data(n=32, seq_len=8, vocab=64, seed=0):
+    """Tokens, a padding mask with padded rows, and next-token targets."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, size=(n, seq_len + 1)).astype("int32")
+    padding_mask = np.ones((n, seq_len), "int32")
+    padding_mask[::3, seq_len - 2 :] = 0
+    x = {"token_ids": tokens[:, :-1], "padding_mask": padding_mask}
+    return x, tokens[:, 1:], padding_mask
+
+
+def hub_distribution(backbone_class, device_mesh):
+    """What a KerasHub user writes for JAX: the backbone's own rules in a ModelParallel."""
+    layout_map = backbone_class.get_layout_map(
+        device_mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch"
+    )
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def assert_layouts_are_keras_layouts(model, distribution):
+    """Each variable has the layout Keras' ModelParallel gives it (re.fullmatch
+    of its rules), on the distribution's mesh."""
+    sharded = 0
+    for variable in model.variables:
+        layout = distribution.get_variable_layout(variable)
+        want = ["unsharded" if axis is None else axis for axis in layout.axes]
+        assert specs(variable) == want, variable.path
+        sharded += any(axis is not None for axis in layout.axes)
+    return sharded
+
+
+def test_gemma_causal_lm_with_its_layout_map_matches_single_device(keras_hub):
+    """GemmaCausalLM (tied embedding as LM head) on a 2x4 mesh with
+    GemmaBackbone.get_layout_map: weights split over "model" and "batch" at once."""
+
+    def build():
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=64,
+            num_layers=1,
+            num_query_heads=4,
+            num_key_value_heads=4,
+            hidden_dim=16,
+            intermediate_dim=64,
+            head_dim=4,
+        )
+        return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+    def compile_fn(model):
+        model.compile(optimizer=keras.optimizers.Adam(0.01))  # KerasHub's loss and metric
+        return model
+
+    distribution = hub_distribution(
+        keras_hub.models.GemmaBackbone, keras_mesh((2, 4), ("batch", "model"))
+    )
+    strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
+    x, y, padding_mask = token_data()
+
+    model, _ = assert_fit_matches_single_device(
+        build, compile_fn, strategy, x, y, sample_weight=padding_mask, batch_size=8, epochs=2
+    )
+
+    assert assert_layouts_are_keras_layouts(model, distribution) == 8
+    by_path = {v.path: v for v in model.variables}
+    assert specs(by_path["token_embedding/embeddings"]) == ["model", "batch"]
+    assert specs(by_path["decoder_block_0/attention/query/kernel"]) == ["model", "batch", "unsharded"]
+    assert specs(by_path["decoder_block_0/ffw_linear/kernel"]) == ["model", "batch"]
+    assert strategy.layout_map.unmatched_keys() == []
+    # Each device holds 1/8 of the embedding table: (64/4, 16/2).
+    shards = tf.experimental.dtensor.unpack(by_path["token_embedding/embeddings"].value.read_value())
+    assert [tuple(s.shape) for s in shards] == [(16, 8)] * 8
+
+
+def build_llama_classifier(keras_hub):
+    """LlamaBackbone (grouped-query attention) + masked mean-pool + Dense."""
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_query_heads=8,
+        num_key_value_heads=4,
+        hidden_dim=16,
+        intermediate_dim=32,
+        tie_word_embeddings=True,  # no unused reverse_embeddings: the head is ours
+    )
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(
+        backbone.output, mask=backbone.input["padding_mask"]
+    )
+    logits = keras.layers.Dense(4, name="classifier")(pooled)
+    return keras.Model(backbone.input, logits, name="llama_classifier")
+
+
+def compile_classifier(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+LLAMA_QKV = "transformer_layer.*self_attention.*(query|key|value).kernel"
+
+
+def test_llama_layout_map_hits_a_dtensor_matmul_limitation(keras_hub):
+    """LlamaBackbone.get_layout_map splits the hidden dimension over "batch" in
+    the token embedding but over "model" in the query/key/value kernels
+    (their shape is (hidden, heads, head_dim), where Gemma's, whose rule this
+    copies, is (heads, hidden, head_dim)). JAX reshards between the two; DTensor's
+    MatMul expansion refuses a contraction split over two different mesh axes.
+    This pins that DTensor limitation (TF 2.21): when it goes, this test fails."""
+    distribution = hub_distribution(
+        keras_hub.models.LlamaBackbone, keras_mesh((2, 4), ("batch", "model"))
+    )
+    strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
+    with strategy.scope():
+        model = build_llama_classifier(keras_hub)
+    x, _, _ = token_data(n=16)
+    with pytest.raises(tf.errors.UnknownError, match="Contracting dimension for matmul"):
+        model.predict(x, verbose=0)
+
+
+def test_llama_with_consistent_hidden_split_matches_single_device(keras_hub):
+    """The same rules with the query/key/value kernels split as Gemma's
+    (heads over "model", hidden over "batch") train exactly."""
+    device_mesh = keras_mesh((2, 4), ("batch", "model"))
+    distribution = hub_distribution(keras_hub.models.LlamaBackbone, device_mesh)
+    layout_map = distribution._layout_map  # noqa: SLF001
+    assert layout_map[LLAMA_QKV].axes == ("model", "batch", None)
+    del layout_map[LLAMA_QKV]
+    layout_map[LLAMA_QKV] = ("batch", "model", None)
+    strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
+    x, _, padding_mask = token_data()
+    labels = np.random.default_rng(SEED).integers(0, 4, size=(len(padding_mask),))
+
+    model, _ = assert_fit_matches_single_device(
+        lambda: build_llama_classifier(keras_hub),
+        compile_classifier,
+        strategy,
+        x,
+        labels,
+        batch_size=8,
+        epochs=2,
+    )
+
+    assert assert_layouts_are_keras_layouts(model, distribution) == 8
+    by_path = {v.path: v for v in model.variables}
+    key = by_path["transformer_layer_0/self_attention/key/kernel"]
+    assert specs(key) == ["batch", "model", "unsharded"]
