@@ -26,6 +26,27 @@ setup(
             "scikit-learn",
         ],
         "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
+        # TF Model Garden builds with tf_keras. tf-models-official itself is
+        # installed without its dependencies (which pin another TensorFlow):
+        # see docs/model-garden.md and .ci/run.
+        "garden": [
+            "tf-keras>=2.21,<2.22",
+            "gin-config",
+            "tensorflow-datasets",
+            "etils",
+            "tensorflow-hub",
+            "seqeval",
+            "sacrebleu",
+            "portalocker",
+            "tabulate",
+            "lxml",
+            "immutabledict",
+            "pycocotools",
+            "opencv-python-headless",
+            "toml",
+            "promise",
+            "tensorflow-metadata",
+        ],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["tfmp=tfmp.cli:main"]},

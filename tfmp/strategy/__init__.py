@@ -1,6 +1,6 @@
 """The DTensor-backed `tf.distribute.Strategy` and its parts."""
 
 from tfmp.strategy.strategy import ModelParallelStrategy
-from tfmp.strategy.variable import ShardedVariable
+from tfmp.strategy.variable import MeshVariable
 
-__all__ = ["ModelParallelStrategy", "ShardedVariable"]
+__all__ = ["MeshVariable", "ModelParallelStrategy"]

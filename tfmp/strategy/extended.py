@@ -19,7 +19,7 @@ from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
 from tfmp.strategy.stages import StageMeshes, current_stage, stage_scalars
-from tfmp.strategy.variable import ShardedVariable
+from tfmp.strategy.variable import MeshVariable
 
 # How far up the stack the Keras variable whose `tf.Variable` is being created
 # sits above the strategy's creator (a handful of frames in Keras 3).
@@ -91,7 +91,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         if keras_variable is not None and stage is not None:
             keras_variable._tfmp_stage = stage  # noqa: SLF001
         with dtensor.default_mesh(mesh.dtensor_mesh):
-            return ShardedVariable(
+            return MeshVariable(
                 initial_value_on_mesh, path=path, placer=self.placer, stage=stage, **kwargs
             )
 
@@ -175,11 +175,11 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 variable._value = self._relaid(variable.value, layout, stage)  # noqa: SLF001
 
     def _relaid(
-        self, variable: ShardedVariable, layout: dtensor.Layout, stage: int | None = None
-    ) -> ShardedVariable:
+        self, variable: MeshVariable, layout: dtensor.Layout, stage: int | None = None
+    ) -> MeshVariable:
         stage = variable.stage if stage is None else stage
         with dtensor.default_mesh(layout.mesh):
-            return ShardedVariable(
+            return MeshVariable(
                 to_layout(variable.read_value(), layout),
                 path=variable.path,
                 placer=self.placer,
@@ -280,6 +280,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _experimental_distribute_dataset(self, dataset, options):
         del options
         self.warn_unmatched_layout_rules()
+        _install_tf_keras_hooks()
         return MeshDataset(dataset, self.placer, self.first_step_graphs)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
@@ -288,6 +289,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         axis, and returns batches of this client's rows only."""
         del options
         self.warn_unmatched_layout_rules()
+        _install_tf_keras_hooks()
         pipelines, pipeline_id = self.placer.input_pipelines()
         context = tf.distribute.InputContext(
             num_input_pipelines=pipelines, input_pipeline_id=pipeline_id, num_replicas_in_sync=1
@@ -314,6 +316,13 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 "that tfmp.summary(model) lists (a renamed layer changes its path).",
                 stacklevel=3,
             )
+
+
+def _install_tf_keras_hooks() -> None:
+    """tf_keras distributes its data before it makes its step functions."""
+    from tfmp.strategy import keras_hooks  # keras_hooks builds on this module
+
+    keras_hooks.install_tf_keras()
 
 
 def creating_keras_variable() -> keras.Variable | None:

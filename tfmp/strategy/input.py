@@ -11,6 +11,8 @@ from tensorflow.python.distribute import input_lib
 from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.placement import BatchPlacer
 
+_HOST = "CPU:0"
+
 
 class MeshDataset:
     """A dataset whose batches arrive on the mesh, split over the batch axis.
@@ -53,8 +55,12 @@ class MeshDataset:
 
     def __iter__(self) -> "MeshIterator":
         cardinality = int(self._dataset.cardinality())
+        # tf_keras iterates inside the strategy's scope, whose default device
+        # is the mesh: the host pipeline must stay on the host.
+        with tf.device(_HOST):
+            host_iterator = iter(self._dataset)
         return MeshIterator(
-            iter(self._dataset),
+            host_iterator,
             self._placer,
             cardinality != tf.data.UNKNOWN_CARDINALITY,
             self._first_step_graphs,
@@ -88,7 +94,8 @@ class MeshIterator:
 
     def _pull(self) -> Any:
         try:
-            return next(self._host_iterator)
+            with tf.device(_HOST):
+                return next(self._host_iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
             return None
 

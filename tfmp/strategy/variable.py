@@ -11,13 +11,16 @@ from tensorflow.experimental import dtensor
 from tfmp.strategy.placement import replicate, to_layout
 
 
-class ShardedVariable(dtensor.DVariable):
+class MeshVariable(dtensor.DVariable):
     """A `DVariable` whose shards live on the mesh devices its layout names.
 
     Assigning a host value (numpy, a regular tensor, a checkpoint value, or a
     DTensor of another layout or mesh) moves it to the variable's layout, so
     `set_weights`, `load_weights` and loading onto a different mesh work. Reading
     it to numpy gathers the shards.
+
+    (Not named `ShardedVariable`: tf_keras takes any class of that name for
+    TF's parameter-server variable and would track each row as a weight.)
     """
 
     def __init__(
