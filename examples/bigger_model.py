@@ -43,6 +43,7 @@ from sklearn.model_selection import train_test_split
 
 import tfmp
 from tfmp.callbacks.memory import short_name
+from tfmp.devices import devices_for
 from tfmp.inspect.summary import bytes_per_device
 
 # Per-device budget of parameters + optimizer state, and training, per mode.
@@ -170,19 +171,13 @@ def train_and_report(
     return parameters
 
 
-def mesh_devices(count: int) -> list[str]:
-    """`count` GPUs or TPU cores when the host has that many, else `count` of
-    the simulated CPU devices."""
-    preferred = tfmp.list_devices()
-    return (preferred if len(preferred) >= count else tfmp.list_devices("CPU"))[:count]
-
 
 def main() -> None:
     args = parse_args()
     mode = MODES["full" if args.full else "small"]
     tfmp.simulate_devices(8)  # 8 logical CPU devices: must come before any TensorFlow op
     budget, epochs = mode["budget_bytes"], args.epochs or mode["epochs"]
-    devices = mesh_devices(MODEL_AXIS_SIZE)
+    devices = devices_for(MODEL_AXIS_SIZE)
     one_device = tfmp.ModelParallelStrategy(tfmp.DeviceMesh((1, 1), ("batch", "model"), devices[:1]))
     sharded_mesh = tfmp.DeviceMesh((1, MODEL_AXIS_SIZE), ("batch", "model"), devices)
     sharded = tfmp.ModelParallelStrategy(sharded_mesh, SHARDED_RULES)

@@ -39,6 +39,7 @@ import keras
 import numpy as np
 
 import tfmp
+from tfmp.devices import devices_for
 
 # Sizes of the two modes: the small one runs in under a minute on 2 CPU cores.
 SIZES = {
@@ -95,18 +96,12 @@ def build_cnn(image_size: int, widths: tuple[int, ...]) -> keras.Model:
     return keras.Model(inputs, outputs, name="cnn")
 
 
-def mesh_devices(count: int) -> list[str]:
-    """`count` GPUs or TPU cores when the host has that many, else `count` of
-    the simulated CPU devices."""
-    preferred = tfmp.list_devices()
-    return (preferred if len(preferred) >= count else tfmp.list_devices("CPU"))[:count]
-
 
 def main() -> None:
     args = parse_args()
     size = SIZES["full" if args.full else "small"]
     tfmp.simulate_devices(8)  # 8 logical CPU devices: must come before any TensorFlow op
-    mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"), mesh_devices(8))
+    mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"), devices_for(8))
     strategy = tfmp.ModelParallelStrategy(mesh)  # the layers declare their own layouts
     print(f"mesh: {mesh}")
     keras.utils.set_random_seed(0)

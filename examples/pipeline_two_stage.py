@@ -37,6 +37,7 @@ import keras
 import numpy as np
 
 import tfmp
+from tfmp.devices import devices_for
 from tfmp.pipeline.balance import stage_costs
 
 # Sizes of the two modes: the small one runs in under a minute on 2 CPU cores.
@@ -111,19 +112,13 @@ def build_pipeline(
     return keras.Sequential([keras.Input((features,)), *groups], name="pipeline_mlp")
 
 
-def mesh_devices(count: int) -> list[str]:
-    """`count` GPUs or TPU cores when the host has that many, else `count` of
-    the simulated CPU devices."""
-    preferred = tfmp.list_devices()
-    return (preferred if len(preferred) >= count else tfmp.list_devices("CPU"))[:count]
-
 
 def main() -> None:
     args = parse_args()
     size = SIZES["full" if args.full else "small"]
     tfmp.simulate_devices(8)  # 8 logical CPU devices: must come before any TensorFlow op
     dims = (size["features"], size["width"], size["hidden"], size["blocks"])
-    mesh = tfmp.DeviceMesh((2, 1, 4), ("stage", "batch", "model"), mesh_devices(8))
+    mesh = tfmp.DeviceMesh((2, 1, 4), ("stage", "batch", "model"), devices_for(8))
     strategy = tfmp.ModelParallelStrategy(
         mesh, TENSOR_PARALLEL_RULES, num_microbatches=NUM_MICROBATCHES, schedule=args.schedule
     )

@@ -70,6 +70,25 @@ def simulate_devices(
     return _logical_names(device_type)
 
 
+def devices_for(count: int) -> list[str]:
+    """`count` devices for a mesh: TPU cores or GPUs when there are that many,
+    else CPU devices (split with `simulate_devices` first).
+
+    Args:
+        count: How many devices the mesh needs.
+
+    Returns:
+        Device names, as `list_devices` gives them.
+
+    Examples:
+        >>> import tfmp
+        >>> tfmp.simulate_devices(8)  # doctest: +SKIP
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"), tfmp.devices.devices_for(8))  # doctest: +SKIP
+    """
+    preferred = list_devices()
+    return (preferred if len(preferred) >= count else list_devices("CPU"))[:count]
+
+
 def _client_order(name: str) -> tuple[int, int]:
     # A multi-client run lists its own devices first; a mesh wants client 0's.
     spec = tf.DeviceSpec.from_string(name)
