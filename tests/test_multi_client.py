@@ -183,3 +183,14 @@ def test_input_function_in_one_process_reads_whole_batches():
     reference = build_on(strategy, "mlp", initial_weights(build_mlp))
     losses, _ = train(reference, x, y)
     np.testing.assert_allclose(recorder.losses, losses, rtol=1e-6)
+
+
+def test_reading_a_batch_inside_a_function_is_an_error():
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh)
+    import tensorflow as tf
+
+    iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4)))
+    with pytest.raises(RuntimeError, match=r"call next\(\) outside tf.function"):
+        tf.function(lambda: next(iterator))()
+    assert next(iterator).shape == (4,)  # eagerly, batches still arrive

@@ -103,6 +103,14 @@ class MeshIterator:
         return self
 
     def __next__(self) -> Any:
+        if not tf.executing_eagerly():
+            # A trace would read one batch and bake it into the function.
+            raise RuntimeError(
+                "tfmp's dataset iterators read each batch on the host: call next() "
+                "outside tf.function and pass the batch to the compiled step "
+                "(a custom training loop that calls next() inside tf.function, "
+                "such as Orbit's, would train on one batch forever)."
+            )
         batch = self._next
         if batch is None:
             self._first_step_graphs.finish()
