@@ -53,14 +53,19 @@ class StageMeshes:
 
 
 @contextlib.contextmanager
-def building_stage(stage: int) -> Iterator[None]:
-    """Variables created in the block belong to pipeline stage `stage`."""
-    previous = getattr(_current, "stage", None)
-    _current.stage = stage
+def _current_set(name: str, value: Any) -> Iterator[None]:
+    """Sets this thread's `name` for the block, then restores it."""
+    previous = getattr(_current, name, None)
+    setattr(_current, name, value)
     try:
         yield
     finally:
-        _current.stage = previous
+        setattr(_current, name, previous)
+
+
+def building_stage(stage: int) -> contextlib.AbstractContextManager:
+    """Variables created in the block belong to pipeline stage `stage`."""
+    return _current_set("stage", stage)
 
 
 def current_stage() -> int | None:
@@ -83,8 +88,7 @@ def move_to_stage(value: tf.Tensor, source: DeviceMesh, target: DeviceMesh, batc
     return dtensor.relayout(moved, dtensor.Layout.batch_sharded(target.dtensor_mesh, batch_axis, rank))
 
 
-@contextlib.contextmanager
-def scalars_on_stages(copies: list[tuple[Any, list[tf.Tensor]]]) -> Iterator[None]:
+def scalars_on_stages(copies: list[tuple[Any, list[tf.Tensor]]]) -> contextlib.AbstractContextManager:
     """Within the block, `stage_scalars(k)` swaps in stage k's copies.
 
     Optimizers read a few variables of their own (the step count, the
@@ -95,12 +99,7 @@ def scalars_on_stages(copies: list[tuple[Any, list[tf.Tensor]]]) -> Iterator[Non
     Args:
         copies: (Keras variable, its value on each stage's mesh) pairs.
     """
-    previous = getattr(_current, "scalar_copies", None)
-    _current.scalar_copies = copies
-    try:
-        yield
-    finally:
-        _current.scalar_copies = previous
+    return _current_set("scalar_copies", copies)
 
 
 @contextlib.contextmanager
