@@ -5,7 +5,6 @@ import functools
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfmp
 from helpers import assert_weights_close, build_layers_lm, compile_lm, compile_mlp, lm_data, train

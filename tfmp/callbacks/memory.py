@@ -6,7 +6,6 @@ import os
 import resource
 import statistics
 import warnings
-from typing import Any
 
 import keras
 import tensorflow as tf

@@ -209,6 +209,21 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _in_multi_worker_mode(self) -> bool:
         return dtensor.num_clients() > 1
 
+    @property
+    def should_checkpoint(self) -> bool:
+        """Every client saves: each writes its own shards of a DTensor
+        checkpoint, all to the same (shared) directory."""
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Only the chief writes summaries, so one file holds each value."""
+        return dtensor.client_id() == 0
+
+    @property
+    def experimental_should_init(self) -> bool:
+        return True
+
     def _get_local_replica_id(self, replica_id_in_sync_group):
         return replica_id_in_sync_group
 
@@ -251,6 +266,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         return value
 
     def _update(self, var, fn, args, kwargs, group):
+        if args:
+            args = (_gradient_for(var, args[0]),) + tuple(args[1:])
         stage = getattr(var, "stage", None)
         if stage is None or self.stage_meshes is None:
             return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
@@ -280,7 +297,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _experimental_distribute_dataset(self, dataset, options):
         del options
         self.warn_unmatched_layout_rules()
-        _install_tf_keras_hooks()
+        _install_host_fed_loops()
         return MeshDataset(dataset, self.placer, self.first_step_graphs)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
@@ -289,7 +306,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         axis, and returns batches of this client's rows only."""
         del options
         self.warn_unmatched_layout_rules()
-        _install_tf_keras_hooks()
+        _install_host_fed_loops()
         pipelines, pipeline_id = self.placer.input_pipelines()
         context = tf.distribute.InputContext(
             num_input_pipelines=pipelines, input_pipeline_id=pipeline_id, num_replicas_in_sync=1
@@ -318,11 +335,37 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             )
 
 
-def _install_tf_keras_hooks() -> None:
-    """tf_keras distributes its data before it makes its step functions."""
-    from tfmp.strategy import keras_hooks  # keras_hooks builds on this module
+def _gradient_for(var: Any, gradient: Any) -> Any:
+    """The gradient an optimizer applies to `var`, laid out like `var`.
 
-    keras_hooks.install_tf_keras()
+    tf_keras' legacy optimizers write with fused kernels (`ResourceApplyAdam`,
+    ...) straight into the variable's handle; DTensor does not relayout their
+    inputs, and a gradient laid out unlike its variable crashed the process.
+    A no-op when the gradient has the layout already.
+    """
+    if (
+        isinstance(var, MeshVariable)
+        and isinstance(gradient, tf.Tensor)
+        and gradient.shape == var.shape
+        and not tf.executing_eagerly()
+    ):
+        return dtensor.relayout(gradient, var.layout)
+    return gradient
+
+
+def extended_of(strategy: Any) -> ModelParallelExtended | None:
+    """`strategy.extended` if `strategy` is a tfmp strategy, else None."""
+    extended = getattr(strategy, "extended", None)
+    return extended if isinstance(extended, ModelParallelExtended) else None
+
+
+def _install_host_fed_loops() -> None:
+    """tf_keras and Orbit distribute their data before they make their step
+    functions; both read batches inside them, which tfmp's cannot be."""
+    from tfmp.strategy import orbit_loops, tf_keras_hooks  # they build on this module
+
+    tf_keras_hooks.install_tf_keras()
+    orbit_loops.install_orbit()
 
 
 def creating_keras_variable() -> keras.Variable | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Iterator
 
 import numpy as np
@@ -107,9 +108,10 @@ class MeshIterator:
             # A trace would read one batch and bake it into the function.
             raise RuntimeError(
                 "tfmp's dataset iterators read each batch on the host: call next() "
-                "outside tf.function and pass the batch to the compiled step "
-                "(a custom training loop that calls next() inside tf.function, "
-                "such as Orbit's, would train on one batch forever)."
+                "outside tf.function and pass the batch to the compiled step (a "
+                "trace would read one batch and train on it forever). Keras' fit, "
+                "tf_keras' fit and Orbit's loops (Model Garden's run_experiment) "
+                "already do this under tfmp."
             )
         batch = self._next
         if batch is None:
@@ -125,3 +127,18 @@ class MeshIterator:
 
     def get_next(self) -> Any:
         return next(self)
+
+
+class OneBatch(collections.namedtuple("OneBatch", ["batch"])):
+    """One batch, passed to a compiled step where it expects an iterator: a
+    structure of tensors to `tf.function`, the batch to `next`.
+
+    How training loops that call `next(iterator)` inside their step (tf_keras,
+    Orbit) train on tfmp's host-read batches: the loop reads each batch
+    eagerly and hands it to the same step.
+    """
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        return self.batch

@@ -15,11 +15,9 @@ through untouched.
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import os
-import sys
 import tempfile
 import threading
 from typing import Any, Callable
@@ -31,12 +29,11 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from tfmp import distributed
-from tfmp.strategy.extended import ModelParallelExtended
+from tfmp.strategy.extended import extended_of
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
 
 _installed = False
-_tf_keras_installed = False
 _state = threading.local()
 
 
@@ -57,72 +54,11 @@ def install() -> None:
         setattr(keras.Model, name, _chief_writes(getattr(keras.Model, name)))
 
 
-def install_tf_keras() -> None:
-    """Makes tf_keras (Keras 2) models read their batches outside the step.
-
-    tf_keras' step function calls `next(iterator)` inside its `tf.function`;
-    the strategy's iterator is a Python one (each batch packed onto the mesh on
-    the host), which a trace would read once and keep as a constant. tf_keras
-    models under a tfmp strategy instead read each batch eagerly and hand it to
-    the same step function as an argument. Called as tf_keras distributes its
-    data, so before it makes its step functions; a no-op without tf_keras.
-    """
-    global _tf_keras_installed
-    tf_keras = sys.modules.get("tf_keras")
-    if _tf_keras_installed or tf_keras is None:
-        return
-    _tf_keras_installed = True
-    model_class = tf_keras.Model
-    for name in ("make_train_function", "make_test_function", "make_predict_function"):
-        setattr(model_class, name, _fed_batches(getattr(model_class, name), name))
-
-
-class _OneBatch(collections.namedtuple("_OneBatch", ["batch"])):
-    """One batch, passed to a tf_keras step function where it expects an
-    iterator: a structure of tensors to `tf.function`, a batch to `next`."""
-
-    __slots__ = ()
-
-    def __next__(self) -> Any:
-        return self.batch
-
-
-def _fed_batches(make_function: Callable, name: str) -> Callable:
-    attribute = name.replace("make_", "")
-
-    @functools.wraps(make_function)
-    def wrapper(self, force=False):
-        function = make_function(self, force)
-        if _extended_of(self.distribute_strategy) is None or getattr(
-            function, "_tfmp_fed", False
-        ):
-            return function
-        steps = self._steps_per_execution  # noqa: SLF001
-        if self.autotune_steps_per_execution or (
-            steps is not None and int(steps.numpy()) != 1
-        ):
-            raise ValueError(
-                f"tf_keras model {self.name!r} under tfmp: compile it with "
-                "steps_per_execution=1 (tf_keras reads several batches inside one "
-                "compiled step only from a tf.data iterator, which DTensor cannot "
-                "lay out)."
-            )
-
-        def fed(iterator):
-            return function(_OneBatch(next(iterator)))
-
-        fed._tfmp_fed = True  # noqa: SLF001
-        setattr(self, attribute, fed)
-        return fed
-
-    return wrapper
-
-
 def placer_for(layer: Any) -> BatchPlacer | None:
     """The batch placer of the tfmp mesh `layer` runs on, or None."""
-    extended = _extended_of(getattr(layer, "_distribute_strategy", None))
+    extended = extended_of(getattr(layer, "_distribute_strategy", None))
     if extended is None:
-        extended = _extended_of(tf.distribute.get_strategy())
+        extended = extended_of(tf.distribute.get_strategy())
     if extended is not None:
         return extended.placer
     for weight in layer.weights[:1]:
@@ -132,13 +68,8 @@ def placer_for(layer: Any) -> BatchPlacer | None:
     return None
 
 
-def _extended_of(strategy: Any) -> ModelParallelExtended | None:
-    extended = getattr(strategy, "extended", None)
-    return extended if isinstance(extended, ModelParallelExtended) else None
-
-
 def _prepare(model: Any) -> None:
-    extended = _extended_of(getattr(model, "_distribute_strategy", None))
+    extended = extended_of(getattr(model, "_distribute_strategy", None))
     if extended is not None:
         extended.prepare(model)
 
@@ -157,7 +88,7 @@ def _pipelined(step: Callable) -> Callable:
 
     @functools.wraps(step)
     def wrapper(self, data):
-        extended = _extended_of(getattr(self, "_distribute_strategy", None))
+        extended = extended_of(getattr(self, "_distribute_strategy", None))
         if extended is None or extended.stage_meshes is None:
             return step(self, data)
         if tf.executing_eagerly():

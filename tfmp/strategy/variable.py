@@ -62,9 +62,7 @@ class MeshVariable(dtensor.DVariable):
         return self.assign_sub(self._dense(sparse_delta), use_locking, name)
 
     def _dense(self, sparse_delta: tf.IndexedSlices) -> tf.Tensor:
-        return tf.math.unsorted_segment_sum(
-            tf.cast(sparse_delta.values, self.dtype), sparse_delta.indices, self.shape[0]
-        )
+        return dense_rows(sparse_delta, self.shape[0], self.dtype)
 
     def numpy(self) -> np.ndarray:
         return replicate(self.read_value()).numpy()
@@ -72,3 +70,13 @@ class MeshVariable(dtensor.DVariable):
     def __array__(self, dtype=None, copy=None):
         del copy  # numpy() already returns a fresh host copy
         return np.asarray(self.numpy(), dtype=dtype)
+
+
+def dense_rows(sparse: tf.IndexedSlices, rows: int, dtype: tf.DType | None = None) -> tf.Tensor:
+    """`sparse` as a dense tensor of `rows` rows; duplicate indices add up.
+
+    `rows` comes from the variable: under DTensor a gradient's `dense_shape`
+    can be a shard's.
+    """
+    values = sparse.values if dtype is None else tf.cast(sparse.values, dtype)
+    return tf.math.unsorted_segment_sum(values, sparse.indices, rows)
