@@ -194,3 +194,32 @@ def test_reading_a_batch_inside_a_function_is_an_error():
     with pytest.raises(RuntimeError, match=r"call next\(\) outside tf.function"):
         tf.function(lambda: next(iterator))()
     assert next(iterator).shape == (4,)  # eagerly, batches still arrive
+
+
+def test_two_clients_run_a_model_garden_experiment_and_resume_it(tmp_path):
+    """Orbit's loops and checkpoints on two clients: the second run trains only
+    steps 9-12, so it restored the checkpoint both clients wrote."""
+    finished = run_tfmp(
+        "launch", "--num-processes", "2", "--devices-per-process", "4", "--timeout", "400",
+        "--", sys.executable, os.path.join(PROGRAMS, "garden.py"), str(tmp_path),
+        timeout=420,
+    )
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    import tensorflow as tf
+    from garden_helpers import initial_weights as garden_weights
+    from garden_helpers import run_experiment
+
+    steps, evaluation, weights = run_experiment(
+        tf.distribute.get_strategy(), garden_weights(), tmp_path / "single", 12
+    )
+    with open(tmp_path / "result.json") as result:
+        got = json.load(result)
+    for key, values in steps.items():
+        assert len(got["first"][key]) == 8 and len(got["resumed"][key]) == 4
+        np.testing.assert_allclose(got["first"][key] + got["resumed"][key], values, rtol=1e-5)
+    for key, value in evaluation.items():
+        np.testing.assert_allclose(got["evaluation"][key], value, rtol=1e-5)
+    saved = np.load(tmp_path / "weights.npz")
+    assert len(saved.files) == len(weights) == 41
+    for i, weight in enumerate(weights):
+        np.testing.assert_allclose(saved[f"arr_{i}"], weight, rtol=1e-5, atol=1e-5)
