@@ -220,10 +220,6 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         """Only the chief writes summaries, so one file holds each value."""
         return dtensor.client_id() == 0
 
-    @property
-    def experimental_should_init(self) -> bool:
-        return True
-
     def _get_local_replica_id(self, replica_id_in_sync_group):
         return replica_id_in_sync_group
 
