@@ -132,14 +132,14 @@ def experiment(train_steps: int) -> cfg.ExperimentConfig:
     )
 
 
-def run_experiment(strategy, initial_weights, model_dir, train_steps):
+def run_experiment(strategy, initial_weights, model_dir, train_steps, mode="train_and_eval"):
     """Per-step training logs, the final evaluation and weights."""
     params = experiment(train_steps)
     logs = []
     model, evaluation = train_lib.run_experiment(
         distribution_strategy=strategy,
         task=ClassifierTask(params.task, initial_weights),
-        mode="train_and_eval",
+        mode=mode,
         params=params,
         model_dir=str(model_dir),
         run_post_eval=True,

@@ -8,8 +8,8 @@ device without a strategy:
   and predictions match;
 - with Model Garden's `train_lib.run_experiment` (Orbit's loops, Model
   Garden's legacy Adam, checkpoints): per-step losses and accuracies, the
-  evaluations and the final weights match, also across a resume from the
-  checkpoint it wrote.
+  final evaluation and the final weights match. (Resuming from its
+  checkpoint is tested on two clients, in test_multi_client.py.)
 """
 
 import numpy as np
@@ -142,21 +142,15 @@ def test_steps_per_execution_must_be_one(strategy):
 
 def test_run_experiment_matches_single_device(reference, strategy, tmp_path):
     single = run_experiment(
-        tf.distribute.get_strategy(), reference["weights"], tmp_path / "single", 12
+        tf.distribute.get_strategy(), reference["weights"], tmp_path / "single", 8
     )
-    # 8 steps (2 epochs), then a second run_experiment that restores step 8 from
-    # the checkpoint and trains to 12: the data starts over at an epoch
-    # boundary, so it sees the batches that 12 steps in a row see.
-    first = run_experiment(strategy, reference["weights"], tmp_path / "mesh", 8)
-    resumed = run_experiment(strategy, reference["weights"], tmp_path / "mesh", 12)
+    mesh = run_experiment(strategy, reference["weights"], tmp_path / "mesh", 8)
 
     for key, values in single[0].items():
-        assert len(first[0][key]) == 8 and len(resumed[0][key]) == 4
-        np.testing.assert_allclose(first[0][key] + resumed[0][key], values, rtol=1e-5)
+        assert len(mesh[0][key]) == 8
+        np.testing.assert_allclose(mesh[0][key], values, rtol=1e-5)
     for key, value in single[1].items():
-        np.testing.assert_allclose(resumed[1][key], value, rtol=1e-5)
-    assert len(resumed[2]) == len(single[2]) == 41
-    assert_weights_close(single[2], resumed[2])
-    # The resumed run trained 4 steps only: it restored step 8's checkpoint.
-    checkpoints = {p.name for p in (tmp_path / "mesh").glob("ckpt-*.index")}
-    assert {"ckpt-8.index", "ckpt-12.index"} <= checkpoints
+        np.testing.assert_allclose(mesh[1][key], value, rtol=1e-5)
+    assert len(mesh[2]) == len(single[2]) == 41
+    assert_weights_close(single[2], mesh[2])
+    assert (tmp_path / "mesh" / "ckpt-8.index").exists()
