@@ -7,8 +7,8 @@ trace would read once and keep as a constant. Runners whose dataset is a tfmp
 dataset instead loop in Python: each batch is read eagerly and handed to the
 same compiled step (`train_step` / `eval_step`, as the runner defines it), one
 call per batch. `use_tf_while_loop` therefore runs as a Python loop of
-compiled steps; the numbers are the same, the steps per loop a host round
-trip each.
+compiled steps: the numbers are the same, and each step costs one host round
+trip.
 """
 
 from __future__ import annotations

@@ -77,8 +77,6 @@ def _fed_batches(make_function: Callable, name: str) -> Callable:
     return wrapper
 
 
-
-
 def _dense_gradients(apply_gradients: Callable) -> Callable:
     """A legacy optimizer under tfmp applies a sparse gradient made dense.
 
@@ -111,10 +109,11 @@ def _dense_gradients(apply_gradients: Callable) -> Callable:
 
 
 def _check_sparse_update_is_dense(optimizer: Any) -> None:
-    """Raises unless `optimizer` moves every row for a sparse gradient, as
-    for a dense one: legacy Adam (and Model Garden's AdamWeightDecay, built
-    on it), Adagrad (rows without gradient stay put either way) and SGD
-    without momentum."""
+    """Raises unless `optimizer`'s update for a sparse gradient equals its
+    update for that gradient made dense: legacy Adam (and Model Garden's
+    AdamWeightDecay, which decays every row and then runs Adam's update),
+    Adagrad (rows without gradient stay put either way) and SGD without
+    momentum."""
     legacy = sys.modules["tf_keras"].optimizers.legacy
     if isinstance(optimizer, legacy.SGD):
         is_dense = not optimizer._momentum  # noqa: SLF001
