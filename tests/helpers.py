@@ -130,3 +130,43 @@ def assert_weights_close(expected, actual, rtol=1e-5, atol=1e-5):
     assert len(expected) == len(actual)
     for want, got in zip(expected, actual):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+def assert_parity(build, layout_map_fn, x, y, mesh_shape=(2, 4), loss="mse", steps=3, atol=1e-5):
+    """Trains `build()` with Adam for `steps` steps on one device and on a
+    `mesh_shape` ("batch", "model") mesh from the same weights; per-step losses,
+    final weights and predictions agree to 1e-5. `layout_map_fn(mesh)` gives
+    the LayoutMap (or "auto"). `atol` is the floor for weights whose exact
+    gradient is zero, which Adam moves by float noise. Returns the mesh model."""
+    weights = initial_weights(build)
+    reference = build()
+    reference.set_weights(weights)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    device_mesh = mesh(mesh_shape)
+    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map_fn(device_mesh))
+    with strategy.scope():
+        model = build()
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    batch_size = len(tf.nest.flatten(x)[0]) // steps
+    ref_losses, _ = train(reference, x, y, batch_size=batch_size)
+    losses, _ = train(model, x, y, batch_size=batch_size)
+    assert len(losses) == steps
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_weights_close(reference.get_weights(), model.get_weights(), atol=atol)
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-5
+    )
+    return model
+
+
+def rules(**axes_by_key):
+    """A layout_map_fn from keyword rules; `__` in a key stands for `/`."""
+
+    def layout_map_fn(device_mesh):
+        layout_map = tfmp.LayoutMap(device_mesh)
+        for key, axes in axes_by_key.items():
+            layout_map[key.replace("__", "/")] = axes
+        return layout_map
+
+    return layout_map_fn

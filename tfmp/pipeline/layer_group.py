@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy.stages import StageMeshes, building_stage, move_to_stage
 
 
@@ -102,8 +103,10 @@ class LayerGroup(keras.layers.Layer):
                 inputs, meshes.meshes[self.stage - 1], meshes.meshes[self.stage], self._batch_axis
             )
         outputs = inputs
-        for layer in self.group_layers:
-            outputs = layer(outputs)
+        stage_mesh = None if meshes is None else meshes.meshes[self.stage].dtensor_mesh
+        with forward_on(stage_mesh or forward_mesh()):
+            for layer in self.group_layers:
+                outputs = layer(outputs)
         return outputs
 
     def compute_output_shape(self, input_shape: Any) -> Any:

@@ -29,6 +29,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from tfmp import distributed
+from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
@@ -132,11 +133,10 @@ def _has_host_array(structure: Any) -> bool:
 def _eager_call(layer_call: Callable) -> Callable:
     @functools.wraps(layer_call)
     def __call__(self, *args, **kwargs):
-        if (
-            not tf.executing_eagerly()
-            or getattr(_state, "inside", False)
-            or not _has_host_array((args, kwargs))
-        ):
+        if not tf.executing_eagerly():
+            with forward_on(_own_mesh(self) or forward_mesh() or _strategy_mesh()):
+                return layer_call(self, *args, **kwargs)
+        if getattr(_state, "inside", False) or not _has_host_array((args, kwargs)):
             return layer_call(self, *args, **kwargs)
         placer = placer_for(self)
         if placer is None:
@@ -144,7 +144,8 @@ def _eager_call(layer_call: Callable) -> Callable:
         _state.inside = True
         try:
             args, kwargs = placer.place((args, kwargs))
-            outputs = _mesh_function(self, layer_call)(*args, **kwargs)
+            with forward_on(placer.mesh):
+                outputs = _mesh_function(self, layer_call)(*args, **kwargs)
         finally:
             _state.inside = False
         return tf.nest.map_structure(
@@ -152,6 +153,21 @@ def _eager_call(layer_call: Callable) -> Callable:
         )
 
     return __call__
+
+
+def _own_mesh(layer: Any) -> dtensor.Mesh | None:
+    """The mesh of a layer's own variables, if they live on one."""
+    for variable in layer._trainable_variables + layer._non_trainable_variables:  # noqa: SLF001
+        value = getattr(variable, "_value", None)
+        if isinstance(value, MeshVariable):
+            return value.layout.mesh
+    return None
+
+
+def _strategy_mesh() -> dtensor.Mesh | None:
+    """The home mesh of the running tfmp strategy, if one runs."""
+    extended = extended_of(tf.distribute.get_strategy())
+    return None if extended is None else extended.home_mesh.dtensor_mesh
 
 
 def _mesh_function(layer: Any, layer_call: Callable) -> Callable:

@@ -7,6 +7,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmp import lowering
 from tfmp.layout import LayoutMap, as_layout_map
 from tfmp.mesh import DeviceMesh, as_device_mesh
 from tfmp.strategy import keras_hooks
@@ -94,6 +95,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             )
         )
         keras_hooks.install()
+        lowering.install()
 
     @classmethod
     def from_keras(cls, distribution: Any, **kwargs: Any) -> "ModelParallelStrategy":

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfmp.forward import compute_layout, forward_mesh
 from tfmp.strategy.placement import replicate, to_layout
 
 
@@ -36,6 +37,33 @@ class MeshVariable(dtensor.DVariable):
         self.path = path or self.name
         self.placer = placer  # packs host batches for models using this variable
         self.stage = stage  # the pipeline stage whose mesh holds it, if any
+        batch_axis = getattr(placer, "batch_axis", None)
+        self.compute_layout = compute_layout(self.layout, (batch_axis,) if batch_axis else ())
+
+    def _read_variable_op(self, no_copy=False):
+        value = super()._read_variable_op(no_copy=no_copy)
+        if self.compute_layout != self.layout and forward_mesh() is not None:
+            return self._gathered(value)
+        return value
+
+    def _gathered(self, value: tf.Tensor) -> tf.Tensor:
+        """`value` in the compute layout; its gradient goes back to the
+        storage layout. A sparse gradient (an embedding's) stays sparse, as
+        Keras' optimizers update only its rows (Adam's moments of other rows
+        do not decay), with the variable's own `dense_shape`."""
+
+        @tf.custom_gradient
+        def gather(stored):
+            def back(gradient):
+                if isinstance(gradient, tf.IndexedSlices):
+                    return tf.IndexedSlices(
+                        gradient.values, gradient.indices, tf.constant(self.shape.as_list())
+                    )
+                return dtensor.relayout(gradient, self.layout)
+
+            return dtensor.relayout(stored, self.compute_layout), back
+
+        return gather(value)
 
     def _on_mesh(self, value: Any) -> Any:
         if tf.executing_eagerly():

@@ -1,0 +1,67 @@
+"""The table of lowerings, and installing them once per process."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Callable
+
+from tfmp.forward import forward_mesh
+
+# Keras releases every lowering's target was tested with.
+TESTED_KERAS = ("3.15",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """One Keras backend function that runs `replacement` on a tfmp mesh.
+
+    Attributes:
+        module: Module that holds the function, e.g.
+            `"keras.src.backend.tensorflow.nn"`.
+        name: The function's name in that module.
+        replacement: `"package.module:function"` taking the same arguments.
+        why: What DTensor refuses in Keras' own version.
+    """
+
+    module: str
+    name: str
+    replacement: str
+    why: str
+
+    def resolve(self) -> tuple[Any, Callable]:
+        """The target module and tfmp's replacement function."""
+        module_name, function_name = self.replacement.split(":")
+        return importlib.import_module(self.module), getattr(
+            importlib.import_module(module_name), function_name
+        )
+
+
+LOWERINGS: tuple[Lowering, ...] = ()
+
+_installed = False
+
+
+def install() -> None:
+    """Wraps each target once: tfmp's version while a forward pass is
+    traced on a mesh, Keras' own otherwise."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for lowering in LOWERINGS:
+        module, replacement = lowering.resolve()
+        original = getattr(module, lowering.name)
+        setattr(module, lowering.name, _on_mesh_only(original, replacement))
+
+
+def _on_mesh_only(original: Callable, replacement: Callable) -> Callable:
+    @functools.wraps(original)
+    def lowered(*args: Any, **kwargs: Any) -> Any:
+        if forward_mesh() is None:
+            return original(*args, **kwargs)
+        return replacement(*args, **kwargs)
+
+    lowered.__wrapped_keras__ = original
+    return lowered
