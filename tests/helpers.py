@@ -160,13 +160,13 @@ def assert_parity(build, layout_map_fn, x, y, mesh_shape=(2, 4), loss="mse", ste
     return model
 
 
-def rules(**axes_by_key):
-    """A layout_map_fn from keyword rules; `__` in a key stands for `/`."""
+def rules(axes_by_key: dict):
+    """A layout_map_fn from a dict of LayoutMap rules."""
 
     def layout_map_fn(device_mesh):
         layout_map = tfmp.LayoutMap(device_mesh)
         for key, axes in axes_by_key.items():
-            layout_map[key.replace("__", "/")] = axes
+            layout_map[key] = axes
         return layout_map
 
     return layout_map_fn

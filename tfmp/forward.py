@@ -23,6 +23,10 @@ from typing import Iterator
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+# Name scope of the relayouts that gather weights on use: `tfmp.comm_report`
+# tells their collectives from the others by it.
+GATHER_SCOPE = "tfmp_gather_on_use"
+
 _forward = threading.local()
 
 

@@ -118,6 +118,15 @@ class GradientSyncMonitor(keras.callbacks.Callback):
                 self.model.stop_training = True
 
 
+# comm_report's category -> the kind of traffic the monitor logs.
+_TRAFFIC_KINDS = {
+    "activations": "activation",
+    "gradients": "gradient",
+    "optimizer": "gradient",
+    "weight-gathers": "weight_gather",
+}
+
+
 def step_traffic(model: Any) -> dict[str, float]:
     """Bytes per device one training step communicates, by kind and mesh axis."""
     strategy = model.distribute_strategy
@@ -130,11 +139,11 @@ def step_traffic(model: Any) -> dict[str, float]:
     traffic = {
         "sync/gradient_bytes": 0.0,
         "sync/activation_bytes": 0.0,
+        "sync/weight_gather_bytes": 0.0,
         "sync/collectives": float(len(report.collectives)),
     }
     for collective in report.collectives:
-        kind = "gradient" if collective.category != "activations" else "activation"
-        traffic[f"sync/{kind}_bytes"] += collective.bytes
+        traffic[f"sync/{_TRAFFIC_KINDS[collective.category]}_bytes"] += collective.bytes
         key = f"sync/{','.join(collective.axes)}/bytes"
         traffic[key] = traffic.get(key, 0.0) + collective.bytes
     return traffic

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
+from tfmp.forward import GATHER_SCOPE
 from tfmp.strategy.extended import ModelParallelExtended
 from tfmp.strategy.graph_capture import first_step_graphs_of, is_train_step
 
@@ -37,7 +38,9 @@ class Collective:
         axes: The mesh axes it communicates over.
         phase: `"forward"`, `"backward"` or `"optimizer"`.
         category: `"activations"` (forward or backward) or `"gradients"`
-            (gradient synchronization over the batch axis), or `"optimizer"`.
+            (gradient synchronization over the batch axis), `"optimizer"`, or
+            `"weight-gathers"` (a layer gathering a weight stored split over
+            the batch axis as it reads it, and that gather's gradient).
         bytes: Size of the tensor it reduces or gathers, per device.
     """
 
@@ -162,13 +165,18 @@ def _collective(node, partition, mesh, optimizer, batch_axis) -> Collective:
     op, _, dtensor_op = name.rpartition("/")
     kind = _DTENSOR_KINDS.get(dtensor_op, _OP_KINDS[node.op])
     axes = _group_axes(node, partition, mesh)
-    if any(part.startswith("gradient_tape") for part in name.split("/")):
+    parts = name.split("/")
+    if any(part.startswith("gradient_tape") for part in parts):
         phase = "backward"
         category = "gradients" if axes == (batch_axis,) else "activations"
     elif optimizer and name.startswith(optimizer + "/"):
         phase = category = "optimizer"
     else:
         phase, category = "forward", "activations"
+    # DTensor names the gather of a weight read in its compute layout after
+    # the read (or, where the read feeds a gather of rows, after tfmp's scope).
+    if phase == "forward" and (op.endswith("/ReadVariableOp") or GATHER_SCOPE in parts):
+        category = "weight-gathers"
     return Collective(op or name, kind, axes, phase, category, _bytes(node))
 
 

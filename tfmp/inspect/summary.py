@@ -22,6 +22,12 @@ class VariablePlacement:
     itemsize: int
     is_slot: bool
     stage: int | None = None  # the pipeline stage whose devices hold it
+    compute_axes: tuple[str | None, ...] | None = None  # as a layer reads it
+
+    @property
+    def gathered_on_use(self) -> bool:
+        """Whether a layer reads it in another layout than it is stored in."""
+        return self.compute_axes is not None and self.compute_axes != self.axes
 
     @property
     def shard_bytes(self) -> int:
@@ -64,6 +70,7 @@ def _placement(variable: Any, is_slot: bool) -> VariablePlacement:
         itemsize,
         is_slot,
         getattr(backing, "stage", None),
+        layout_axes(backing.compute_layout) if hasattr(backing, "compute_layout") else None,
     )
 
 
@@ -99,6 +106,10 @@ def bytes_per_stage(model: Any) -> dict[int, dict[str, int]]:
 def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
     """Prints each variable's layout, per-device shard shape and bytes.
 
+    A variable stored split over the batch axis (fully sharded, or by a rule)
+    is read by its layer with that axis gathered: the "read as" column shows
+    that compute layout where it differs from the stored one.
+
     Below the table: per device, the bytes of parameters and optimizer
     variables it holds, and the fraction of those bytes that are replicated;
     for a pipeline, each stage's parameter bytes, so imbalance shows.
@@ -113,17 +124,25 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
 
     Examples:
         >>> tfmp.summary(model)  # doctest: +SKIP
-        variable            shape       layout          per-device shape  bytes/device
-        dense/kernel        (16, 64)    (None, 'model') (16, 16)          1,024
+        variable      shape     layout           read as  per-device shape  bytes/device
+        dense/kernel  (16, 64)  (None, 'model')  same     (16, 16)          1,024
     """
     rows = placements(model)
-    table = [("variable", "shape", "layout", "per-device shape", "bytes/device")]
+    table = [("variable", "shape", "layout", "read as", "per-device shape", "bytes/device")]
     for row in rows:
         if row.is_slot:
             continue
         layout = "-" if row.axes is None else str(row.axes)
+        read_as = str(row.compute_axes) if row.gathered_on_use else "same"
         table.append(
-            (row.path, str(row.shape), layout, str(row.shard_shape), f"{row.shard_bytes:,}")
+            (
+                row.path,
+                str(row.shape),
+                layout,
+                read_as,
+                str(row.shard_shape),
+                f"{row.shard_bytes:,}",
+            )
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in table]

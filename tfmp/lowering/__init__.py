@@ -4,11 +4,11 @@ DTensor expands each TensorFlow op by a rule of its own, and some ops that
 ordinary Keras layers use have none (`DepthwiseConv2dNativeBackpropFilter`,
 `ReverseV2`, TensorList ops of `tf.while_loop`) or refuse split operands
 (`Conv2D` with a split kernel). While a layer's forward pass is traced on a
-tfmp mesh, the Keras backend functions listed in `LOWERINGS` run tfmp's
+tfmp mesh, the Keras backend functions listed in each family's `LOWERINGS` run tfmp's
 rewrite instead; anywhere else they are Keras' own. Each entry names the
 Keras versions it was tested with (see `tfmp.lowering.registry`).
 """
 
-from tfmp.lowering.registry import LOWERINGS, Lowering, install
+from tfmp.lowering.registry import Lowering, install, lowerings
 
-__all__ = ["LOWERINGS", "Lowering", "install"]
+__all__ = ["Lowering", "install", "lowerings"]

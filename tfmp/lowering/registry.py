@@ -38,7 +38,22 @@ class Lowering:
         )
 
 
-LOWERINGS: tuple[Lowering, ...] = ()
+# Each module holds the lowerings of one op family, as a tuple `LOWERINGS`.
+_FAMILIES = (
+    "tfmp.lowering.conv",
+    "tfmp.lowering.rnn",
+    "tfmp.lowering.random",
+    "tfmp.lowering.indexing",
+)
+
+
+def lowerings() -> tuple[Lowering, ...]:
+    """Every lowering, family by family."""
+    return tuple(
+        lowering
+        for family in _FAMILIES
+        for lowering in importlib.import_module(family).LOWERINGS
+    )
 
 _installed = False
 
@@ -50,10 +65,17 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    for lowering in LOWERINGS:
+    for lowering in lowerings():
         module, replacement = lowering.resolve()
         original = getattr(module, lowering.name)
         setattr(module, lowering.name, _on_mesh_only(original, replacement))
+
+
+def keras_original(module: str, name: str) -> Callable:
+    """Keras' own function behind a lowered one (for the argument
+    combinations a replacement hands back to Keras)."""
+    function = getattr(importlib.import_module(module), name)
+    return getattr(function, "__wrapped_keras__", function)
 
 
 def _on_mesh_only(original: Callable, replacement: Callable) -> Callable:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
@@ -20,10 +19,11 @@ from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
 from tfmp.strategy.stages import StageMeshes, current_stage, stage_scalars
 from tfmp.strategy.variable import MeshVariable
-
-# How far up the stack the Keras variable whose `tf.Variable` is being created
-# sits above the strategy's creator (a handful of frames in Keras 3).
-_KERAS_VARIABLE_FRAMES = 24
+from tfmp.strategy.variable_layout import (
+    fully_sharded,
+    keras_variable_being_created,
+    resolve_layout,
+)
 
 # Keyword arguments of tf.Variable creation that a DVariable does not take.
 _DROPPED_VARIABLE_KWARGS = ("use_resource", "expected_shape", "caching_device")
@@ -40,6 +40,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         batch_axis: str | None,
         auto_axis: str | None = None,
         stage_meshes: StageMeshes | None = None,
+        fully_shard: bool = False,
     ):
         super().__init__(container_strategy)
         self.mesh = mesh
@@ -53,6 +54,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             batch_axis,
             first_mesh=stage_meshes.meshes[0].dtensor_mesh if stage_meshes else None,
         )
+        self.fully_shard_axis = batch_axis if fully_shard else None
         self.first_step_graphs = FirstStepGraphs()
         self._checked_layout_map = False
 
@@ -65,7 +67,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         colocate_with = kwargs.pop("colocate_with", None)
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.get("dtype")
-        keras_variable = creating_keras_variable()
+        keras_variable = keras_variable_being_created()
         path = (
             scoped_name(kwargs.get("name"))
             if keras_variable is None
@@ -85,7 +87,16 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             with tf.device("CPU:0"):
                 value = initial_value() if callable(initial_value) else initial_value
                 value = tf.convert_to_tensor(value, dtype=dtype)
-            layout = self._layout_for(path, value.shape, colocate_with, keras_variable, mesh)
+            layout = resolve_layout(
+                path,
+                value.shape,
+                value.dtype,
+                mesh,
+                colocated=colocate_with,
+                declared=declared_layout(path, keras_variable),
+                rule=self.layout_map.match(path),
+                fully_shard_axis=self.fully_shard_axis,
+            )
             return to_layout(value, layout)
 
         if keras_variable is not None and stage is not None:
@@ -94,38 +105,6 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             return MeshVariable(
                 initial_value_on_mesh, path=path, placer=self.placer, stage=stage, **kwargs
             )
-
-    def _layout_for(
-        self,
-        path: str,
-        shape: tf.TensorShape,
-        colocate_with: Any,
-        keras_variable: Any,
-        mesh: DeviceMesh,
-    ) -> dtensor.Layout:
-        # Optimizer slots are created colocated with their variable: same layout.
-        reference = getattr(colocate_with, "layout", None)
-        if reference is not None and tuple(colocate_with.shape) == tuple(shape):
-            return reference
-        match = self.layout_map.match(path)
-        declared = declared_layout(path, keras_variable)
-        if declared is not None:
-            owner, axes = declared
-            if match is not None and match[1] != axes:
-                raise ValueError(
-                    f"Variable {path!r}: layer {owner!r} declares the layout {axes} "
-                    f"but LayoutMap rule {match[0]!r} gives {match[1]}. The layer's "
-                    "layout is used for its weights: remove the rule or make it "
-                    "agree."
-                )
-            return axes_to_layout(
-                axes, mesh, shape, path, f"the layout layer {owner!r} declares",
-                missing_axis_replicates=True,
-            )
-        if match is None:
-            return dtensor.Layout.replicated(mesh.dtensor_mesh, shape.rank)
-        rule, axes = match
-        return axes_to_layout(axes, mesh, shape, path, f"LayoutMap rule {rule!r}")
 
     def prepare(self, model: Any) -> None:
         """Called as `model` starts fit, evaluate, predict or `*_on_batch`.
@@ -157,6 +136,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 continue
             mesh = self.stage_mesh(variable.value.stage)
             layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
+            if self.fully_shard_axis is not None and variable.dtype.startswith("float"):
+                layout = fully_sharded(layout, variable.shape, self.fully_shard_axis)
             variable._value = self._relaid(variable.value, layout)  # noqa: SLF001
         self.layout_map = plan
 
@@ -362,23 +343,6 @@ def _install_host_fed_loops() -> None:
 
     tf_keras_hooks.install_tf_keras()
     orbit_loops.install_orbit()
-
-
-def creating_keras_variable() -> keras.Variable | None:
-    """The Keras variable whose backing `tf.Variable` is being created, if any.
-
-    Keras 3 variables know their path and layer, also when their creation was
-    deferred past the name scope of the layer that built them.
-    """
-    frame = sys._getframe(1)
-    for _ in range(_KERAS_VARIABLE_FRAMES):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.Variable):
-            return owner
-        frame = frame.f_back
-    return None
 
 
 def scoped_name(name: str | None) -> str:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import keras
 import tensorflow as tf
+from keras.src.backend.tensorflow.core import Variable as TensorFlowVariable
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
@@ -33,6 +34,7 @@ from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
+from tfmp.strategy.variable_layout import creating
 
 _installed = False
 _state = threading.local()
@@ -53,6 +55,19 @@ def install() -> None:
         setattr(TensorFlowTrainer, name, _pipelined(getattr(TensorFlowTrainer, name)))
     for name in ("save", "save_weights"):
         setattr(keras.Model, name, _chief_writes(getattr(keras.Model, name)))
+    TensorFlowVariable._initialize = _announced(TensorFlowVariable._initialize)
+
+
+def _announced(initialize: Callable) -> Callable:
+    """Keras creates a variable's `tf.Variable` here: the strategy's creator
+    is told which Keras variable it is creating."""
+
+    @functools.wraps(initialize)
+    def wrapper(self, value):
+        with creating(self):
+            return initialize(self, value)
+
+    return wrapper
 
 
 def placer_for(layer: Any) -> BatchPlacer | None:

@@ -45,6 +45,13 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             forward and backward passes: `"gpipe"` (all forwards, then all
             backwards) or `"1f1b"` (one forward, one backward, which keeps at
             most as many micro-batches' activations as there are stages).
+        fully_shard: Also split every floating-point variable (weights and
+            optimizer slots) over `batch_axis`, on its largest dimension that
+            the layout map leaves whole: fully sharded data parallelism
+            (ZeRO-3). With tensor parallelism on `"model"`, each device of a
+            2x4 mesh then holds about 1/8 of the parameters and optimizer
+            state. A layer gathers the batch axis of its weights as it reads
+            them, and gradients are reduced back to the stored shards.
 
     Examples:
         >>> import keras, tfmp
@@ -71,6 +78,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         batch_axis: str | None = _DEFAULT_BATCH_AXIS,
         num_microbatches: int = 1,
         schedule: str = "gpipe",
+        fully_shard: bool = False,
     ):
         mesh = as_device_mesh(mesh)
         stage_meshes = StageMeshes(mesh, _STAGE_AXIS) if _STAGE_AXIS in mesh.axis_names else None
@@ -81,6 +89,12 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             if batch_axis != _DEFAULT_BATCH_AXIS:
                 mesh.check_axis(batch_axis, what="batch_axis")
             batch_axis = None
+        if fully_shard and batch_axis is None:
+            raise ValueError(
+                f"fully_shard=True shards weights over the batch axis, but this "
+                f"strategy has none (mesh axes {mesh.axis_names}). Give the mesh a "
+                "'batch' axis or name one with batch_axis=..."
+            )
         auto_axis = None
         if isinstance(layout_map, str):
             if layout_map != "auto":
@@ -91,7 +105,13 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             auto_axis, layout_map = "model", None
         super().__init__(
             ModelParallelExtended(
-                self, mesh, as_layout_map(layout_map, mesh), batch_axis, auto_axis, stage_meshes
+                self,
+                mesh,
+                as_layout_map(layout_map, mesh),
+                batch_axis,
+                auto_axis,
+                stage_meshes,
+                fully_shard=fully_shard,
             )
         )
         keras_hooks.install()

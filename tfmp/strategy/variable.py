@@ -6,9 +6,10 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops
 from tensorflow.experimental import dtensor
 
-from tfmp.forward import compute_layout, forward_mesh
+from tfmp.forward import GATHER_SCOPE, compute_layout, forward_mesh
 from tfmp.strategy.placement import replicate, to_layout
 
 
@@ -43,27 +44,9 @@ class MeshVariable(dtensor.DVariable):
     def _read_variable_op(self, no_copy=False):
         value = super()._read_variable_op(no_copy=no_copy)
         if self.compute_layout != self.layout and forward_mesh() is not None:
-            return self._gathered(value)
+            with tf.name_scope(GATHER_SCOPE):
+                return dtensor.relayout(value, self.compute_layout)
         return value
-
-    def _gathered(self, value: tf.Tensor) -> tf.Tensor:
-        """`value` in the compute layout; its gradient goes back to the
-        storage layout. A sparse gradient (an embedding's) stays sparse, as
-        Keras' optimizers update only its rows (Adam's moments of other rows
-        do not decay), with the variable's own `dense_shape`."""
-
-        @tf.custom_gradient
-        def gather(stored):
-            def back(gradient):
-                if isinstance(gradient, tf.IndexedSlices):
-                    return tf.IndexedSlices(
-                        gradient.values, gradient.indices, tf.constant(self.shape.as_list())
-                    )
-                return dtensor.relayout(gradient, self.layout)
-
-            return dtensor.relayout(stored, self.compute_layout), back
-
-        return gather(value)
 
     def _on_mesh(self, value: Any) -> Any:
         if tf.executing_eagerly():
@@ -98,6 +81,30 @@ class MeshVariable(dtensor.DVariable):
     def __array__(self, dtype=None, copy=None):
         del copy  # numpy() already returns a fresh host copy
         return np.asarray(self.numpy(), dtype=dtype)
+
+
+def _sparse_passing_relayout_gradient(relayout_gradient: Any) -> Any:
+    """DTensor's gradient of `Relayout`, letting a sparse gradient through.
+
+    A weight read in its compute layout (an embedding table) gets a sparse
+    gradient; DTensor's own Relayout gradient makes it dense, and Keras'
+    optimizers update a sparse gradient's rows only (Adam's moments of the
+    other rows do not decay), so single-device numbers need it kept sparse.
+    The gradient of a relayout is the identity, whatever its layout.
+    """
+
+    def gradient(op: Any, grad: Any) -> Any:
+        if isinstance(grad, tf.IndexedSlices):
+            return grad
+        return relayout_gradient(op, grad)
+
+    gradient.tfmp_wrapped = relayout_gradient
+    return gradient
+
+
+_relayout_entry = ops._gradient_registry._registry["Relayout"]  # noqa: SLF001
+if not hasattr(_relayout_entry["type"], "tfmp_wrapped"):
+    _relayout_entry["type"] = _sparse_passing_relayout_gradient(_relayout_entry["type"])
 
 
 def dense_rows(sparse: tf.IndexedSlices, rows: int, dtype: tf.DType | None = None) -> tf.Tensor:

@@ -1,0 +1,173 @@
+"""Fully sharded data parallelism (`fully_shard=True`) and how a variable's
+layout is resolved: parity with one device, bytes per device, weight gathers."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+import tfmp
+from helpers import (
+    MODELS,
+    assert_weights_close,
+    initial_weights,
+    mesh,
+    train,
+)
+from tfmp.demo import megatron_layout_map
+from tfmp.inspect.summary import bytes_per_device, placements
+from tfmp.strategy.variable_layout import fully_sharded, resolve_layout
+
+
+def fit_both(name, strategy, epochs=1):
+    """Trains model `name` on one device and in `strategy`'s scope from the same
+    weights; per-step losses, final weights and predictions agree to 1e-5."""
+    build, _, compile_fn, data = MODELS[name]
+    weights = initial_weights(build)
+    reference = compile_fn(build())
+    reference.set_weights(weights)
+    with strategy.scope():
+        model = compile_fn(build())
+        model.set_weights(weights)
+    x, y = data()
+    ref_losses, _ = train(reference, x, y, epochs=epochs)
+    losses, _ = train(model, x, y, epochs=epochs)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_weights_close(reference.get_weights(), model.get_weights())
+    expected = reference.predict(x, verbose=0)
+    scale = max(1.0, float(np.max(np.abs(expected))))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-5 * scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def fully_sharded_lm():
+    """The demo Transformer LM, Megatron rules on "model" and every weight and
+    Adam slot also split over "batch", trained 4 steps against one device."""
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, megatron_layout_map(device_mesh), fully_shard=True)
+    return fit_both("transformer", strategy)
+
+
+def test_fully_sharded_lm_matches_single_device_and_splits_every_weight(fully_sharded_lm):
+    model = fully_sharded_lm
+    by_path = {v.path.removeprefix("transformer_lm/"): v.value for v in model.variables}
+    # Megatron's "model" split stays; "batch" takes the largest whole dimension.
+    assert by_path["ffn_in/kernel"].layout.sharding_specs == ["batch", "model"]
+    assert by_path["ffn_out/kernel"].layout.sharding_specs == ["model", "batch"]
+    assert by_path["token_embedding/embeddings"].layout.sharding_specs == ["model", "batch"]
+    # A layer reads its weights with the batch axis gathered.
+    assert by_path["ffn_in/kernel"].compute_layout.sharding_specs == ["unsharded", "model"]
+    summary = tfmp.summary(model, print_fn=lambda _: None)
+    assert "read as" in summary and "('unsharded', 'model')" not in summary
+    assert "(None, 'model')" in summary  # ffn_in/kernel is read as (None, 'model')
+
+
+def test_fully_sharded_bytes_per_device_are_about_one_eighth(fully_sharded_lm):
+    """Every variable with a dimension that divides is split over "batch"; the
+    rest are scalars (the step count, the learning rate) and vectors the rules
+    split over "model" already (a dimension takes one mesh axis), which hold a
+    quarter, not an eighth. In this tiny model (hidden size 32) they make
+    parameters + Adam slots per device 1.056 x (their total / 8);
+    bench/tensor_parallel.py measures a GPT-sized one."""
+    rows = placements(fully_sharded_lm)
+    for row in rows:
+        if "batch" not in (row.axes or ()):
+            assert not row.shape or "model" in row.axes, row
+    per_device = bytes_per_device(fully_sharded_lm)
+    whole = sum(int(np.prod(row.shape)) * row.itemsize for row in rows)
+    ratios = [kinds["total"] / (whole / 8) for kinds in per_device.values()]
+    assert len(ratios) == 8
+    assert max(ratios) < 1.06, ratios
+
+
+def test_fully_sharded_gathers_show_in_comm_report(fully_sharded_lm):
+    report = tfmp.comm_report(fully_sharded_lm, print_fn=lambda _: None)
+    gathers = [c for c in report.collectives if c.category == "weight-gathers"]
+    over_batch = [c for c in gathers if c.axes == ("batch",)]
+    assert all(c.phase == "forward" for c in gathers)
+    # Each weight split over "batch" is gathered once, at its size as read
+    # (still split over "model" where its rule says so).
+    read = {v.path.removeprefix("transformer_lm/"): v.value for v in fully_sharded_lm.variables}
+    kernel = read["ffn_in/kernel"]
+    gathered_bytes = 32 * 64 // 4 * 4  # (32, 64) float32, "model" still split
+    assert kernel.compute_layout.sharding_specs == ["unsharded", "model"]
+    assert any(c.op.startswith("transformer_lm") and "ffn_in" in c.op and c.bytes == gathered_bytes for c in over_batch)
+    assert len(over_batch) >= 10
+    assert "weight-gathers" in str(report)
+
+
+def test_fully_sharded_mlp_on_1x8_and_8x1():
+    """On 8x1 every weight is split 8 ways over "batch" (ZeRO-3 alone); on
+    1x8 the batch axis has one device and nothing more is split."""
+    for shape in [(8, 1), (1, 8)]:
+        device_mesh = mesh(shape)
+        strategy = tfmp.ModelParallelStrategy(device_mesh, MODELS["mlp"][1](device_mesh), fully_shard=True)
+        model = fit_both("mlp", strategy)
+        kernel = model.get_layer("up").kernel.value
+        if shape == (8, 1):
+            # (16, 32): dimension 1 holds the rule's "model" (of size 1), so
+            # "batch" takes dimension 0.
+            assert kernel.layout.sharding_specs == ["batch", "model"]
+        else:
+            assert kernel.layout.sharding_specs == ["unsharded", "model"]
+
+
+def test_fully_shard_needs_a_batch_axis():
+    with pytest.raises(ValueError, match="fully_shard=True shards weights over the batch axis"):
+        tfmp.ModelParallelStrategy(mesh((8,), ("model",)), fully_shard=True)
+
+
+# resolve_layout: the one function that gives a new variable its layout ------
+
+
+@pytest.fixture(scope="module")
+def mesh_2x4():
+    return mesh((2, 4))
+
+
+def specs_of(layout):
+    return list(layout.sharding_specs)
+
+
+def test_resolve_layout_order(mesh_2x4):
+    rule = ("up/kernel", (None, "model"))
+    # No rule: replicated.
+    assert specs_of(resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4)) == ["unsharded"] * 2
+    # A rule.
+    assert specs_of(resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4, rule=rule)) == [
+        "unsharded", "model"
+    ]
+    # A layer's declaration wins; one that a rule contradicts is an error.
+    declared = ("up", ("model", None))
+    assert specs_of(
+        resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4, declared=declared)
+    ) == ["model", "unsharded"]
+    with pytest.raises(ValueError, match="declares the layout"):
+        resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4, declared=declared, rule=rule)
+    # An optimizer slot takes its variable's layout, whatever the rules say.
+    variable_layout = dtensor.Layout(["model", "batch"], mesh_2x4.dtensor_mesh)
+
+    class Colocated:
+        layout = variable_layout
+        shape = (16, 32)
+
+    assert resolve_layout("adam/m", (16, 32), tf.float32, mesh_2x4, colocated=Colocated(), rule=rule) == variable_layout
+
+
+def test_resolve_layout_fully_shards_floats_only(mesh_2x4):
+    rule = ("up/kernel", (None, "model"))
+    fully = resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4, rule=rule, fully_shard_axis="batch")
+    assert specs_of(fully) == ["batch", "model"]
+    seed = resolve_layout("m/seed", (2,), tf.int64, mesh_2x4, fully_shard_axis="batch")
+    assert specs_of(seed) == ["unsharded"]
+    scalar = resolve_layout("m/count", (), tf.float32, mesh_2x4, fully_shard_axis="batch")
+    assert specs_of(scalar) == []
+
+
+def test_fully_sharded_picks_the_largest_whole_dimension_that_divides(mesh_2x4):
+    replicated = dtensor.Layout.replicated(mesh_2x4.dtensor_mesh, 3)
+    assert specs_of(fully_sharded(replicated, (3, 8, 4), "batch")) == ["unsharded", "batch", "unsharded"]
+    assert specs_of(fully_sharded(replicated, (3, 5, 7), "batch")) == ["unsharded"] * 3
+    uses_batch = dtensor.Layout(["batch", "unsharded", "unsharded"], mesh_2x4.dtensor_mesh)
+    assert fully_sharded(uses_batch, (4, 8, 4), "batch") == uses_batch

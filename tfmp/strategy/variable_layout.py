@@ -1,0 +1,113 @@
+"""Which layout a new variable gets: one pure function, and the hook that tells
+it which Keras variable is being created."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfmp.layout import Axes, axes_to_layout
+from tfmp.mesh import DeviceMesh
+
+_creating = threading.local()
+
+
+@contextlib.contextmanager
+def creating(keras_variable: Any) -> Iterator[None]:
+    """The backing `tf.Variable` of `keras_variable` is created in the block.
+
+    Keras 3's TensorFlow `Variable._initialize` runs in this block (installed
+    by tfmp), so the strategy's variable creator knows the Keras variable,
+    its path and its layer's declaration, also when Keras deferred the
+    creation past the layer's name scope.
+    """
+    previous = getattr(_creating, "variable", None)
+    _creating.variable = keras_variable
+    try:
+        yield
+    finally:
+        _creating.variable = previous
+
+
+def keras_variable_being_created() -> Any:
+    """The Keras variable whose `tf.Variable` is being created, or None."""
+    return getattr(_creating, "variable", None)
+
+
+def resolve_layout(
+    path: str,
+    shape: Sequence[int],
+    dtype: tf.DType,
+    mesh: DeviceMesh,
+    colocated: Any = None,
+    declared: tuple[str, Axes] | None = None,
+    rule: tuple[str, Axes] | None = None,
+    fully_shard_axis: str | None = None,
+) -> dtensor.Layout:
+    """The storage layout of a new variable, from what is known about it.
+
+    In order: an optimizer slot (created colocated with its variable, same
+    shape) takes that variable's layout; a layout the variable's layer
+    declares (which a LayoutMap rule must not contradict); the LayoutMap rule
+    that matches its path; else replicated. With `fully_shard_axis`, a
+    floating-point variable is then also split over that axis on its largest
+    dimension that is not split yet and divides by it (fully sharded data
+    parallelism).
+
+    Args:
+        path: The variable's path, for rules and messages.
+        shape: Its shape.
+        dtype: Its dtype.
+        mesh: The mesh it lives on.
+        colocated: The variable an optimizer slot is created for, or None.
+        declared: `(layer name, axes)` its layer declares, or None.
+        rule: `(key, axes)` of the LayoutMap rule that matches, or None.
+        fully_shard_axis: The mesh axis to shard every weight over as well.
+
+    Returns:
+        A `dtensor.Layout` on `mesh`.
+    """
+    shape = tuple(int(size) for size in shape)
+    reference = getattr(colocated, "layout", None)
+    if reference is not None and tuple(colocated.shape) == shape:
+        return reference
+    if declared is not None:
+        owner, axes = declared
+        if rule is not None and rule[1] != axes:
+            raise ValueError(
+                f"Variable {path!r}: layer {owner!r} declares the layout {axes} "
+                f"but LayoutMap rule {rule[0]!r} gives {rule[1]}. The layer's "
+                "layout is used for its weights: remove the rule or make it agree."
+            )
+        layout = axes_to_layout(
+            axes, mesh, shape, path, f"the layout layer {owner!r} declares",
+            missing_axis_replicates=True,
+        )
+    elif rule is not None:
+        layout = axes_to_layout(rule[1], mesh, shape, path, f"LayoutMap rule {rule[0]!r}")
+    else:
+        layout = dtensor.Layout.replicated(mesh.dtensor_mesh, len(shape))
+    if fully_shard_axis is None or not tf.as_dtype(dtype).is_floating:
+        return layout
+    return fully_sharded(layout, shape, fully_shard_axis)
+
+
+def fully_sharded(layout: dtensor.Layout, shape: Sequence[int], axis: str) -> dtensor.Layout:
+    """`layout` also split over `axis` on the largest dimension that is whole
+    and divides by it; `layout` itself when it uses `axis` or none fits."""
+    specs = list(layout.sharding_specs)
+    if axis in specs or axis not in layout.mesh.dim_names:
+        return layout
+    parts = layout.mesh.dim_size(axis)
+    candidates = [
+        dim for dim, size in enumerate(shape)
+        if specs[dim] == dtensor.UNSHARDED and size % parts == 0 and size >= parts
+    ]
+    if parts == 1 or not candidates:
+        return layout
+    specs[max(candidates, key=lambda dim: (shape[dim], -dim))] = axis
+    return dtensor.Layout(specs, layout.mesh)
