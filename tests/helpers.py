@@ -154,9 +154,10 @@ def assert_parity(build, layout_map_fn, x, y, mesh_shape=(2, 4), loss="mse", ste
     assert len(losses) == steps
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_weights_close(reference.get_weights(), model.get_weights(), atol=atol)
-    np.testing.assert_allclose(
-        model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-5
-    )
+    expected = reference.predict(x, verbose=0)
+    # 1e-5 of the output scale: shards sum in another order than one device.
+    scale = max(1.0, float(np.max(np.abs(expected))))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-5 * scale)
     return model
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tfmp
-from helpers import assert_weights_close, initial_weights, lm_data, mesh, train
+from helpers import assert_parity, assert_weights_close, initial_weights, lm_data, mesh, train
 from tfmp.demo import build_transformer_lm, megatron_layout_map
 
 
@@ -41,14 +41,18 @@ def build_cnn():
 
 
 def test_cnn_plan_is_sensible():
+    """The convolution splits its filters; the Dense after the pooling takes
+    them as row-parallel inputs; the next pair is column, row."""
     planned = tfmp.auto_layout(build_cnn(), mesh((1, 8)))
     assert dict(planned.items()) == {
-        "^cnn/fc1/kernel$": (None, "model"),
-        "^cnn/fc1/bias$": ("model",),
-        "^cnn/fc2/kernel$": ("model", None),
+        "^cnn/conv/kernel$": (None, None, None, "model"),
+        "^cnn/conv/bias$": ("model",),
+        "^cnn/fc1/kernel$": ("model", None),
+        "^cnn/fc2/kernel$": (None, "model"),
+        "^cnn/fc2/bias$": ("model",),
+        "^cnn/classifier/kernel$": ("model", None),
     }
-    assert "ParallelConv2D" in planned.reasons["cnn/conv/kernel"]
-    assert "no Dense follows" in planned.reasons["cnn/classifier/kernel"]
+    assert "row-parallel" in planned.reasons["cnn/fc1/bias"]
 
 
 def test_indivisible_dimensions_stay_whole_with_a_reason():
@@ -155,3 +159,36 @@ def test_auto_strategy_needs_a_built_model():
         model.compile(optimizer="adam", loss="mse")
     with pytest.raises(ValueError, match=r"layout_map='auto'.*keras.Input"):
         model.fit(np.zeros((8, 4)), np.zeros((8, 4)), verbose=0)
+
+
+# KerasHub backbones the plan never saw: it opens their blocks -----------------
+
+HUB_SIZES = dict(vocabulary_size=64, num_layers=1, hidden_dim=16, intermediate_dim=32)
+HUB_AUTO = {
+    # GPT-2 keeps its default dropout (0.1): random draws equal one device's.
+    "GPT2Backbone": dict(HUB_SIZES, num_heads=4, max_sequence_length=16),
+    "MistralBackbone": dict(HUB_SIZES, num_query_heads=8, num_key_value_heads=4),
+    "Qwen3Backbone": dict(HUB_SIZES, num_query_heads=8, num_key_value_heads=4, head_dim=4),
+}
+
+
+@pytest.mark.parametrize("name", list(HUB_AUTO))
+def test_keras_hub_backbone_with_auto_layout_matches_single_device(name):
+    import keras_hub
+
+    from test_keras_interop import token_data
+
+    def build():
+        backbone = getattr(keras_hub.models, name)(**HUB_AUTO[name])
+        pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
+        return keras.Model(backbone.input, keras.layers.Dense(4, name="classifier")(pooled))
+
+    model = build()
+    planned = tfmp.auto_layout(model, mesh((2, 4)))
+    sizes = {v.path: int(np.prod(v.shape)) for v in model.weights}
+    split = sum(size for path, size in sizes.items() if planned.match(path))
+    assert split / sum(sizes.values()) > 0.85  # all but norms and row biases
+
+    x, _, _ = token_data(n=12)
+    y = np.random.default_rng(0).normal(size=(12, 4)).astype("float32")
+    assert_parity(build, lambda device_mesh: "auto", x, y)
