@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmp
 from helpers import build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map, train
@@ -111,3 +112,50 @@ def test_layout_values_must_be_axis_tuples():
     layout_map = tfmp.LayoutMap(mesh((2, 4)))
     with pytest.raises(TypeError, match=r"such as \(None, 'model'\)"):
         layout_map["dense/kernel"] = "model"
+
+
+# DTensor's internal errors become ValueErrors naming the layer and a fix -----
+
+
+class RawReverse(keras.layers.Layer):
+    """Calls TensorFlow directly: `tf.reverse` has no DTensor layout rule."""
+
+    def call(self, x):
+        return tf.reverse(x, [1])
+
+
+class RawConv(keras.layers.Layer):
+    """A convolution through `tf.nn.conv2d`, which tfmp does not rewrite."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(3, 3, input_shape[-1], 8), name="kernel")
+
+    def call(self, x):
+        return tf.nn.conv2d(x, self.kernel, 1, "SAME")
+
+
+def test_op_without_a_dtensor_rule_names_the_layer_and_a_fix():
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)))
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((6, 4)), keras.layers.Dense(4, name="d"), RawReverse(name="raw_reverse")]
+        )
+        model.compile(optimizer="adam", loss="mse")
+    x = np.zeros((8, 6, 4), "float32")
+    with pytest.raises(ValueError, match=r"op 'ReverseV2' in layer '\S*raw_reverse'.*\n.*keras\.ops"):
+        model.fit(x, x, batch_size=4, verbose=0)
+
+
+def test_split_weight_an_op_refuses_names_the_variable_and_its_layout():
+    device_mesh = mesh((2, 4))
+    layout_map = tfmp.LayoutMap(device_mesh)
+    layout_map["raw_conv/kernel"] = (None, None, None, "model")
+    with tfmp.ModelParallelStrategy(device_mesh, layout_map).scope():
+        model = keras.Sequential([keras.Input((6, 6, 4)), RawConv(name="raw_conv")])
+        model.compile(optimizer="adam", loss="mse")
+    x, y = np.zeros((8, 6, 6, 4), "float32"), np.zeros((8, 6, 6, 8), "float32")
+    with pytest.raises(
+        ValueError,
+        match=r"op 'Conv2D' in layer '\S*raw_conv'(.|\n)*raw_conv/kernel: \(None, None, None, 'model'\)(.|\n)*LayoutMap rules",
+    ):
+        model.predict(x, batch_size=4, verbose=0)

@@ -15,12 +15,13 @@ through untouched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
@@ -31,6 +32,7 @@ from tensorflow.experimental import dtensor
 
 from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
+from tfmp.strategy import errors
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
@@ -94,9 +96,22 @@ def _prepared(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         _prepare(self)
-        return method(self, *args, **kwargs)
+        with explained_errors(self):
+            return method(self, *args, **kwargs)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def explained_errors(model: Any) -> Iterator[None]:
+    """DTensor's internal errors in the block become ValueErrors that name
+    the layer and op (for a model on a tfmp mesh)."""
+    try:
+        yield
+    except tf.errors.OpError as error:
+        if placer_for(model) is None or not errors.is_dtensor_error(error):
+            raise
+        raise errors.explain(error, model) from None
 
 
 def _pipelined(step: Callable) -> Callable:
@@ -220,6 +235,7 @@ def _on_batch(method: Callable) -> Callable:
         for name in ("x", "y", "sample_weight"):
             if name in data:
                 data[name] = placer.place(data[name], targets=name != "x")
-        return method(*bound.args, **bound.kwargs)
+        with explained_errors(self):
+            return method(*bound.args, **bound.kwargs)
 
     return wrapper

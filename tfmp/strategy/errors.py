@@ -1,0 +1,112 @@
+"""DTensor's internal errors, told to the user as the layer and op that caused them.
+
+DTensor lays out a step's ops when the step first runs, and an op it cannot
+expand stops `fit` with MLIR text that names neither the layer nor a fix.
+tfmp finds the failing op's nodes in the step's function library (their
+names are Keras' layer paths) and raises a `ValueError` that names the
+layer, its variables' layouts and what to do.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+from tfmp.layout import layout_axes
+
+# Words only DTensor's SPMD expansion and layout propagation use.
+_DTENSOR_MARKERS = (
+    "layout propagation",
+    "SPMD expansion",
+    "sharding_specs",
+    "dtensor",
+    "DTensor",
+    "fully replicated layout",
+    "must be replicated",
+)
+_OP = re.compile(r"'tf\.(\w+)' op|\"tf\.(\w+)\"\(")
+_FUNCTION = re.compile(r"\[Op:(__inference_\w+)\]")
+
+
+def is_dtensor_error(error: BaseException) -> bool:
+    """Whether `error` comes from DTensor's expansion of a step."""
+    return isinstance(error, tf.errors.OpError) and any(
+        marker in str(error) for marker in _DTENSOR_MARKERS
+    )
+
+
+def explain(error: tf.errors.OpError, model: Any) -> ValueError:
+    """A `ValueError` naming the op, the layer and its variables' layouts."""
+    text = str(error)
+    found = _OP.search(text)
+    op = next((group for group in found.groups() if group), "?") if found else "?"
+    cause = next((line.strip() for line in text.splitlines() if "error:" in line), text.splitlines()[0])
+    cause = cause.split("error:", 1)[-1].strip()
+    function = _FUNCTION.search(text)
+    layers = sorted({_layer_path(name) for name in _nodes_of_type(function.group(1), op)}) if function else []
+    where = f"in layer {', '.join(map(repr, layers))}" if layers else "in the step"
+    variables = _variables_of(model, layers)
+    listed = "".join(f"\n  {path}: {axes}" for path, axes in variables)
+    return ValueError(
+        f"tfmp: DTensor cannot run op {op!r} {where} of model {model.name!r} on the "
+        f"mesh: {cause}{chr(10) + 'Its variables and their layouts:' + listed if listed else ''}\n"
+        f"{_fix(cause)}"
+    )
+
+
+def _fix(cause: str) -> str:
+    if "layout propagation" in cause:
+        return (
+            "Fix: DTensor has no rule for this op. If the layer calls TensorFlow "
+            "directly, write it with keras.ops (tfmp rewrites the Keras ops DTensor "
+            "cannot run; see docs/supported-layers.md), or tell tfmp's issue tracker "
+            "which Keras layer uses it."
+        )
+    return (
+        "Fix: change the LayoutMap rules of this layer's variables (split another "
+        "dimension, or leave them replicated); tfmp.summary(model) lists every "
+        "variable's layout."
+    )
+
+
+def _nodes_of_type(function_name: str, op: str) -> Iterator[str]:
+    """Names of the `op` nodes in a function and the functions it calls."""
+    pending, seen = [function_name], set()
+    ctx = context.context()
+    while pending:
+        name = pending.pop()
+        if name in seen or not ctx.has_function(name):
+            continue
+        seen.add(name)
+        for node in ctx.get_function_def(name).node_def:
+            if node.op == op:
+                yield node.name
+            for value in node.attr.values():
+                if value.func.name:
+                    pending.append(value.func.name)
+
+
+def _layer_path(node_name: str) -> str:
+    """`"sequential_1/my_reverse_1/ReverseV2"` -> `"sequential/my_reverse"`:
+    the layer's path, without TensorFlow's uniquifying suffixes."""
+    parts = [p for p in node_name.split("/")[:-1] if p not in ("gradient_tape", "StatefulPartitionedCall")]
+    return "/".join(re.sub(r"_\d+$", "", part) for part in parts)
+
+
+def _variables_of(model: Any, layers: list[str]) -> list[tuple[str, Any]]:
+    found = []
+    for variable in model.variables:
+        layout = getattr(getattr(variable, "value", None), "layout", None)
+        if layout is not None and any(_within(variable.path, layer) for layer in layers):
+            found.append((variable.path, layout_axes(layout)))
+    return found
+
+
+def _within(path: str, layer: str) -> bool:
+    """Whether variable `path` belongs to `layer` (node paths carry the model
+    name, which Keras 3 leaves out of functional models' variable paths)."""
+    parts = layer.split("/")
+    return any(path.startswith("/".join(parts[i:]) + "/") for i in range(len(parts)))
