@@ -15,6 +15,17 @@ devices, in one run. For each mesh it prints:
 - step time: median step time / the 1x1 median, measured side by side.
   On one 2-core CPU split into devices there is no parallel speed-up to see.
 
+Then the same model fully sharded (`fully_shard=True`) on 8x1 (ZeRO-3 alone)
+and on 2x4 (with the tensor split on "model"):
+
+- memory: per-device bytes / (the one-device total / 8). Target <= 1.05.
+- communication over "batch": the bytes each device sends per step for
+  weight gathers and gradient reductions (ring algorithms: 2(k-1)/k of an
+  all-reduced tensor, (k-1)/k of the others; DTensor runs its all-gathers as
+  all-reduces on CPU and GPU) / the ZeRO-3 minimum, 3(k-1)/k of the weights
+  as layers read them (gathered forward, again backward, gradients
+  reduce-scattered). Target <= 1.10.
+
 Usage (from the repository root):
 
     python bench/tensor_parallel.py            # the model above
@@ -43,6 +54,7 @@ import tensorflow as tf  # noqa: E402
 from tfmp.inspect.summary import bytes_per_device  # noqa: E402
 
 MODEL_AXIS_SIZES = (1, 2, 4, 8)
+FULLY_SHARDED_MESHES = ((8, 1), (2, 4))  # ("batch", "model")
 WARMUP_STEPS = 2
 
 
@@ -89,9 +101,9 @@ class StepTimer(keras.callbacks.Callback):
         self.ends.append(time.perf_counter())
 
 
-def run(c: Config, model_axis: int, weights, data) -> dict:
-    mesh = tfmp.DeviceMesh((1, model_axis), ("batch", "model"))
-    strategy = tfmp.ModelParallelStrategy(mesh)
+def run(c: Config, model_axis: int, weights, data, batch_axis: int = 1, fully_shard: bool = False) -> dict:
+    mesh = tfmp.DeviceMesh((batch_axis, model_axis), ("batch", "model"))
+    strategy = tfmp.ModelParallelStrategy(mesh, fully_shard=fully_shard)
     with strategy.scope():
         model = build_gpt(c)
         model.set_weights(weights)
@@ -104,11 +116,30 @@ def run(c: Config, model_axis: int, weights, data) -> dict:
     report = tfmp.comm_report(model, print_fn=lambda _: None)
     model_bytes = sum(col.bytes for col in report.collectives if col.axes == ("model",))
     per_device = max(kinds["total"] for kinds in bytes_per_device(model).values())
+    batch_wire = sum(
+        col.wire_bytes(batch_axis)
+        for col in report.collectives
+        if col.axes == ("batch",) and col.category != "activations"
+    )
+    read_bytes = sum(
+        int(np.prod(tfmp_shard_shape(v.value.compute_layout, v.shape))) * v.value.dtype.size
+        for v in model.trainable_variables
+    )
     return {
         "step_s": statistics.median(np.diff(timer.ends)[WARMUP_STEPS - 1 :]),
         "memory": per_device,
         "comm": model_bytes,
+        "batch_wire": batch_wire,
+        "zero3_minimum": 3 * (batch_axis - 1) / batch_axis * read_bytes,
     }
+
+
+def tfmp_shard_shape(layout, shape) -> list[int]:
+    """The shape one device holds of a tensor with `layout`."""
+    return [
+        int(size) // (layout.mesh.dim_size(spec) if spec != "unsharded" else 1)
+        for size, spec in zip(shape, layout.sharding_specs)
+    ]
 
 
 def megatron_minimum(c: Config) -> int:
@@ -138,6 +169,15 @@ def main() -> None:
         print(
             f"| 1x{size} | {r['memory']:,} | {r['memory'] / ideal:.3f} | {r['comm']:,} "
             f"| {comm_ratio:.3f} | {r['step_s'] / one['step_s']:.2f} |"
+        )
+    print()
+    print("| fully sharded | bytes/device | memory / (total / 8) (<= 1.05) | batch-axis bytes sent/step | / ZeRO-3 min (<= 1.10) |")
+    print("|---|---:|---:|---:|---:|")
+    for batch_axis, model_axis in FULLY_SHARDED_MESHES:
+        r = run(c, model_axis, weights, data, batch_axis=batch_axis, fully_shard=True)
+        print(
+            f"| {batch_axis}x{model_axis} | {r['memory']:,} | {r['memory'] / (one['memory'] / 8):.3f} "
+            f"| {r['batch_wire']:,.0f} | {r['batch_wire'] / r['zero3_minimum']:.3f} |"
         )
 
 

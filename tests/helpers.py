@@ -139,12 +139,16 @@ def assert_parity(build, layout_map_fn, x, y, mesh_shape=(2, 4), loss="mse", ste
     the LayoutMap (or "auto"). `atol` is the floor for weights whose exact
     gradient is zero, which Adam moves by float noise. Returns the mesh model."""
     weights = initial_weights(build)
+    # Random layers' seed generators take their seeds from the global seed
+    # as they are built: the same for both models.
+    keras.utils.set_random_seed(SEED)
     reference = build()
     reference.set_weights(weights)
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
     device_mesh = mesh(mesh_shape)
     strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map_fn(device_mesh))
     with strategy.scope():
+        keras.utils.set_random_seed(SEED)
         model = build()
         model.set_weights(weights)
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)

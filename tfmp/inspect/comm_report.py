@@ -42,6 +42,8 @@ class Collective:
             `"weight-gathers"` (a layer gathering a weight stored split over
             the batch axis as it reads it, and that gather's gradient).
         bytes: Size of the tensor it reduces or gathers, per device.
+        lowered_as: The collective that runs: DTensor lowers an all-gather as
+            an all-reduce of a zero-filled buffer on CPU and GPU, for one.
     """
 
     op: str
@@ -50,6 +52,14 @@ class Collective:
     phase: str
     category: str
     bytes: int
+    lowered_as: str = ""
+
+    def wire_bytes(self, group_size: int) -> float:
+        """Bytes each device sends (and receives) with ring algorithms over
+        `group_size` devices: 2(k-1)/k of the tensor for an all-reduce,
+        (k-1)/k for the other kinds."""
+        share = (group_size - 1) / group_size
+        return (2 if (self.lowered_as or self.kind) == "all-reduce" else 1) * share * self.bytes
 
 
 @dataclasses.dataclass
@@ -177,7 +187,7 @@ def _collective(node, partition, mesh, optimizer, batch_axis) -> Collective:
     # the read (or, where the read feeds a gather of rows, after tfmp's scope).
     if phase == "forward" and (op.endswith("/ReadVariableOp") or GATHER_SCOPE in parts):
         category = "weight-gathers"
-    return Collective(op or name, kind, axes, phase, category, _bytes(node))
+    return Collective(op or name, kind, axes, phase, category, _bytes(node), _OP_KINDS[node.op])
 
 
 def _bytes(node: Any) -> int:

@@ -164,7 +164,7 @@ def _eager_call(layer_call: Callable) -> Callable:
     @functools.wraps(layer_call)
     def __call__(self, *args, **kwargs):
         if not tf.executing_eagerly():
-            with forward_on(_own_mesh(self) or forward_mesh() or _strategy_mesh()):
+            with forward_on(_forward_mesh_of(self)):
                 return layer_call(self, *args, **kwargs)
         if getattr(_state, "inside", False) or not _has_host_array((args, kwargs)):
             return layer_call(self, *args, **kwargs)
@@ -194,10 +194,19 @@ def _own_mesh(layer: Any) -> dtensor.Mesh | None:
     return None
 
 
-def _strategy_mesh() -> dtensor.Mesh | None:
-    """The home mesh of the running tfmp strategy, if one runs."""
-    extended = extended_of(tf.distribute.get_strategy())
-    return None if extended is None else extended.home_mesh.dtensor_mesh
+def _forward_mesh_of(layer: Any) -> dtensor.Mesh | None:
+    """The mesh `layer`'s forward pass is traced on: its own variables' mesh
+    (a pipeline stage's), else the enclosing forward pass's, else the home
+    mesh of a tfmp step being traced. None anywhere else, e.g. in a tf.data
+    function traced in the strategy's scope."""
+    enclosing = forward_mesh()
+    if enclosing is None:
+        context = tf.distribute.get_replica_context()
+        extended = extended_of(getattr(context, "strategy", None))
+        if extended is None:
+            return None
+        enclosing = extended.home_mesh.dtensor_mesh
+    return _own_mesh(layer) or enclosing
 
 
 def _mesh_function(layer: Any, layer_call: Callable) -> Callable:
