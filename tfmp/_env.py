@@ -6,16 +6,10 @@ import warnings
 # DTensor's pass that combines all-reduces reorders variable reads and writes within
 # one step: with it, Adam training silently drifts from single-device Keras.
 COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
-# DTensor lowers an all-gather as an all-reduce of a zero-filled buffer unless
-# told to use TensorFlow's gather collective: twice the bytes on the wire for
-# every weight a layer gathers on use (bench/tensor_parallel.py, fully sharded).
-REAL_ALL_GATHER = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 
 
 def configure_dtensor_environment() -> None:
-    """Turns off DTensor settings that make Keras training silently wrong, and
-    makes DTensor gather with a gather collective (a user's setting wins)."""
-    os.environ.setdefault(REAL_ALL_GATHER, "1")
+    """Turns off DTensor settings that make Keras training silently wrong."""
     current = os.environ.get(COMBINE_ALL_REDUCES)
     if current not in (None, "0"):
         warnings.warn(
