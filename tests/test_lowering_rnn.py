@@ -1,0 +1,307 @@
+"""Recurrent layers and sequence reversal on a mesh: parity with one device."""
+
+import importlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras.src import backend
+from tensorflow.experimental import dtensor
+
+import tfmp
+from helpers import assert_parity, mesh, rules
+from tfmp.forward import forward_on
+from tfmp.lowering import rnn as rnn_lowering
+
+SEQ, FEATURES, BATCH = 3, 3, 12  # 3 training steps of 4 rows
+
+# Gate units (columns) of each recurrent kernel split over "model": Megatron's
+# column split of each gate's matmul.
+LSTM_GATES = {"lstm_cell/(recurrent_)?kernel": (None, "model"), "lstm_cell/bias": ("model",)}
+GRU_GATES = {  # GRU's bias is (input, recurrent) x gate units
+    "gru_cell/(recurrent_)?kernel": (None, "model"),
+    "gru_cell/bias": (None, "model"),
+}
+SIMPLE_RNN_UNITS = {
+    "simple_rnn_cell/(recurrent_)?kernel": (None, "model"),
+    "simple_rnn_cell/bias": ("model",),
+}
+
+
+def sequences(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (
+        rng.normal(size=(BATCH, SEQ, FEATURES)).astype("float32"),
+        rng.normal(size=(BATCH, 2)).astype("float32"),
+    )
+
+
+@pytest.mark.parametrize("go_backwards", [False, True], ids=["forward", "backwards"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@pytest.mark.parametrize("zero_output_for_mask", [False, True], ids=["keep", "zero"])
+@pytest.mark.parametrize("return_all_outputs", [False, True], ids=["last", "all"])
+@pytest.mark.parametrize("time_major", [False, True], ids=["batch_major", "time_major"])
+def test_unrolled_rnn_matches_keras_loop(
+    go_backwards, masked, zero_output_for_mask, return_all_outputs, time_major
+):
+    """Off a mesh, against Keras' while loop, with nested inputs and constants."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(3, 5, 2)), tf.float32)
+    mask = tf.constant([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 1, 0, 1, 1]]) > 0
+    kernel = tf.constant(rng.normal(size=(2, 2)), tf.float32)
+    bias = tf.constant(rng.normal(size=(3, 2)), tf.float32)
+
+    def step(inputs, states):
+        output = tf.tanh(inputs[0] @ kernel + inputs[1] + states[0] + states[2])
+        return output, [output, states[1] + output]
+
+    if time_major:
+        x, mask = tf.transpose(x, (1, 0, 2)), tf.transpose(mask)
+    arguments = dict(
+        step_function=step,
+        inputs=(x, 2 * x),
+        initial_states=[tf.zeros((3, 2)), tf.ones((3, 2))],
+        go_backwards=go_backwards,
+        mask=mask if masked else None,
+        constants=[bias],
+        input_length=5,  # Keras' loop reads it off axis 1 otherwise, even time-major
+        time_major=time_major,
+        zero_output_for_mask=zero_output_for_mask,
+        return_all_outputs=return_all_outputs,
+    )
+    want = importlib.import_module("keras.src.backend.tensorflow.rnn").rnn(**arguments)
+    got = rnn_lowering.rnn(**arguments)
+    for expected, actual in zip(tf.nest.flatten(want), tf.nest.flatten(got)):
+        np.testing.assert_array_equal(actual, expected)
+
+
+def build_recurrent_stack() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((SEQ, FEATURES)),
+            keras.layers.LSTM(4, return_sequences=True, name="lstm"),
+            keras.layers.GRU(4, return_sequences=True, name="gru"),
+            keras.layers.SimpleRNN(4, name="simple_rnn"),
+            keras.layers.Dense(2, name="head"),
+        ]
+    )
+
+
+def test_lstm_gru_simple_rnn_gates_split():
+    assert_parity(
+        build_recurrent_stack,
+        rules({**LSTM_GATES, **GRU_GATES, **SIMPLE_RNN_UNITS}),
+        *sequences(0),
+    )
+
+
+class MinimalCell(keras.layers.Layer):
+    """An Elman cell written as a plain Keras layer."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.state_size = units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
+        self.recurrent_kernel = self.add_weight(
+            shape=(self.units, self.units), name="recurrent_kernel"
+        )
+
+    def call(self, inputs, states):
+        output = keras.ops.tanh(inputs @ self.kernel + states[0] @ self.recurrent_kernel)
+        return output, [output]
+
+
+def build_cells() -> keras.Model:
+    cells = [
+        MinimalCell(4),
+        keras.layers.LSTMCell(4),
+        keras.layers.GRUCell(4),
+        keras.layers.SimpleRNNCell(4),
+    ]
+    return keras.Sequential(
+        [
+            keras.Input((SEQ, FEATURES)),
+            keras.layers.RNN(keras.layers.StackedRNNCells(cells), name="stacked"),
+            keras.layers.Dense(2, name="head"),
+        ]
+    )
+
+
+def test_custom_and_stacked_cells_batch_split_only():
+    assert_parity(build_cells, rules({}), *sequences(1))
+
+
+def build_bidirectional_with_states() -> keras.Model:
+    x = keras.Input((SEQ, FEATURES))
+    # The backward LSTM runs with go_backwards=True; Bidirectional flips its
+    # sequence back (ops.flip).
+    outputs, *states = keras.layers.Bidirectional(
+        keras.layers.LSTM(4, return_sequences=True, return_state=True), name="bidirectional"
+    )(x)
+    summary = keras.layers.Concatenate()([keras.layers.Flatten()(outputs), *states])
+    return keras.Model(x, keras.layers.Dense(2, name="head")(summary))
+
+
+def test_bidirectional_go_backwards_and_states_1x8():
+    assert_parity(
+        build_bidirectional_with_states, rules(LSTM_GATES), *sequences(2), mesh_shape=(1, 8)
+    )
+
+
+def build_masked() -> keras.Model:
+    tokens = keras.Input((SEQ,), dtype="int32")
+    x = keras.layers.Embedding(10, 4, mask_zero=True, name="embedding")(tokens)
+    x = keras.layers.Bidirectional(
+        keras.layers.LSTM(4, return_sequences=True), name="bidirectional"
+    )(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)  # over unmasked steps
+    return keras.Model(tokens, keras.layers.Dense(2, name="head")(x))
+
+
+def test_masked_sequences():
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(1, 10, size=(BATCH, SEQ)).astype("int32")
+    tokens[::2, 2:] = 0  # right padding
+    tokens[1::4, :1] = 0  # left padding
+    tokens[3, 1] = 0  # a gap
+    y = rng.normal(size=(BATCH, 2)).astype("float32")
+    assert_parity(build_masked, rules(LSTM_GATES), tokens, y)
+
+
+def build_conv_lstm() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((SEQ, 2, 5, 2)),
+            # 1x3: few kernel taps (tfmp's convolutions on a mesh are sums over taps).
+            keras.layers.ConvLSTM2D(4, (1, 3), padding="same", name="conv_lstm"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(2, name="head"),
+        ]
+    )
+
+
+def test_conv_lstm_2d_replicated():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(BATCH, SEQ, 2, 5, 2)).astype("float32")
+    y = rng.normal(size=(BATCH, 2)).astype("float32")
+    assert_parity(build_conv_lstm, rules({}), x, y)
+
+
+class Doubled(keras.layers.Layer):
+    """A layer without `compute_output_shape`: Keras traces its call for shapes."""
+
+    def __init__(self, layer, **kwargs):
+        super().__init__(**kwargs)
+        self.layer = layer
+
+    def call(self, x):
+        return 2.0 * self.layer(x)
+
+
+def test_unknown_number_of_time_steps_is_a_clear_error():
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)))
+    with strategy.scope():  # inferring shapes needs no static time steps
+        x = keras.Input((None, FEATURES))
+        model = keras.Model(x, Doubled(keras.layers.LSTM(4, name="lstm"))(x))
+    rng = np.random.default_rng(5)
+    model.predict(rng.normal(size=(8, SEQ, FEATURES)).astype("float32"), verbose=0)
+    # A second length makes Keras retrace with the time dimension relaxed to None.
+    with pytest.raises(ValueError, match=r"(?s)lstm.*\(8, None, 3\).*fixed sequence length"):
+        model.predict(rng.normal(size=(8, SEQ + 2, FEATURES)).astype("float32"), verbose=0)
+
+
+@pytest.mark.parametrize(
+    "op,want",
+    [
+        (lambda t: keras.ops.flip(t, axis=1), lambda a: np.flip(a, 1)),
+        (lambda t: keras.ops.flip(t, axis=(0, -1)), lambda a: np.flip(a, (0, -1))),
+        (keras.ops.flip, np.flip),
+        (keras.ops.fliplr, np.fliplr),
+        (keras.ops.flipud, np.flipud),
+        (lambda t: keras.ops.split(t, 4, axis=2), lambda a: np.split(a, 4, axis=2)),
+        (lambda t: keras.ops.split(t, [3, 5], axis=-1), lambda a: np.split(a, [3, 5], axis=-1)),
+        (lambda t: keras.ops.split(t, [2], axis=1), lambda a: np.split(a, [2], axis=1)),
+        (lambda t: keras.ops.split(t, 2, axis=0), lambda a: np.split(a, 2, axis=0)),
+    ],
+    ids=[
+        "flip-time",
+        "flip-batch-and-last",
+        "flip-all",
+        "fliplr",
+        "flipud",
+        "split-model-axis",
+        "split-model-axis-at",
+        "split-time-axis-at",
+        "split-batch-axis",
+    ],
+)
+def test_reordering_ops_on_a_mesh(op, want):
+    """Values and gradients, on a (batch, time, model)-split tensor."""
+    tfmp.lowering.install()
+    device_mesh = mesh((2, 4)).dtensor_mesh
+    x = np.arange(4 * 5 * 8, dtype="float32").reshape(4, 5, 8)
+    split = dtensor.Layout(["batch", dtensor.UNSHARDED, "model"], device_mesh)
+    rng = np.random.default_rng(6)
+    weights = [rng.normal(size=part.shape).astype("float32") for part in _parts(want(x))]
+
+    @tf.function
+    def op_and_gradient(t):
+        t = dtensor.relayout(t, split)
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            with forward_on(device_mesh):
+                parts = _parts(op(t))
+            loss = sum(tf.reduce_sum(part * w) for part, w in zip(parts, weights))
+        return [_replicated(v, device_mesh) for v in [*parts, tape.gradient(loss, t)]]
+
+    *parts, gradient = op_and_gradient(
+        dtensor.copy_to_mesh(tf.constant(x), dtensor.Layout.replicated(device_mesh, 3))
+    )
+    for got, expected in zip(parts, _parts(want(x)), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    # Each weight's gradient goes back to the entry op took it from.
+    expected = np.zeros(x.size, "float32")
+    positions = _parts(want(np.arange(x.size).reshape(x.shape)))
+    for where, w in zip(positions, weights):
+        expected[where.ravel()] += w.ravel()
+    np.testing.assert_array_equal(gradient, expected.reshape(x.shape))
+
+
+def _parts(value):
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _replicated(value, device_mesh):
+    """`value` whole on every device, gathered one mesh axis at a time: with
+    LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2 set, DTensor fails to gather
+    a 3-D tensor over two mesh axes at once ("'tf.Reshape' op requires 'output'
+    number of elements to match")."""
+    unsharded = dtensor.UNSHARDED
+    value = dtensor.relayout(value, dtensor.Layout(["batch", unsharded, unsharded], device_mesh))
+    return dtensor.relayout(value, dtensor.Layout.replicated(device_mesh, 3))
+
+
+def test_cudnn_kernels_are_declined_on_a_mesh(monkeypatch):
+    """Where Keras would run cuDNN (a GPU), a mesh takes the generic loop."""
+    tfmp.lowering.install()
+    monkeypatch.setattr(
+        importlib.import_module("keras.src.backend.tensorflow.rnn"),
+        "_is_gpu_available",
+        lambda: True,
+    )
+    gates = keras.activations.tanh, keras.activations.sigmoid
+    with tf.Graph().as_default():
+        x, h = tf.zeros((2, SEQ, FEATURES)), tf.zeros((2, 4))
+        lstm_args = (x, h, h, None, tf.zeros((3, 16)), tf.zeros((4, 16)), tf.zeros((16,)), *gates)
+        gru_args = (x, h, None, tf.zeros((3, 12)), tf.zeros((4, 12)), tf.zeros((2, 12)), *gates)
+        backend.lstm(*lstm_args)  # Keras' cuDNN graph, off a mesh
+        backend.gru(*gru_args)
+        with forward_on(mesh((2, 4)).dtensor_mesh):
+            with pytest.raises(NotImplementedError):
+                backend.lstm(*lstm_args)
+            with pytest.raises(NotImplementedError):
+                backend.gru(*gru_args)

@@ -1,0 +1,222 @@
+"""Recurrent layers as unrolled loops, sequence reversal as a gather.
+
+Keras' TensorFlow backend runs a recurrence as a `tf.while_loop` over
+TensorArrays, whose TensorList ops (and those of while_v2's gradient) DTensor
+cannot lay out; it reverses sequences with `ReverseV2`, which DTensor cannot
+lay out either; on a GPU its LSTM and GRU call cuDNN kernels DTensor cannot
+expand; and DTensor's `Split` refuses the gate dimension of an LSTM or GRU
+whose kernel columns are split over the mesh. On a mesh, tfmp unrolls the
+recurrence over its static time steps (Keras' own `unroll=True` path: unstack,
+Python loop, stack), keeps LSTM and GRU on that generic path, reverses with a
+gather of reversed indices, and splits with slices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NoReturn
+
+import tensorflow as tf
+from keras.src import tree
+from keras.src.backend.common.name_scope import current_path
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+from keras.src.backend.tensorflow.core import convert_to_tensor
+
+from tfmp.lowering.registry import Lowering, keras_original
+
+_BACKEND = "keras.src.backend"
+_KERAS_RNN = "keras.src.backend.tensorflow.rnn"
+_NUMPY = "keras.src.backend.tensorflow.numpy"
+_HERE = "tfmp.lowering.rnn"
+
+
+def rnn(
+    step_function: Callable,
+    inputs: Any,
+    initial_states: Any,
+    go_backwards: bool = False,
+    mask: tf.Tensor | None = None,
+    constants: list[tf.Tensor] | None = None,
+    unroll: bool = False,
+    input_length: int | None = None,
+    time_major: bool = False,
+    zero_output_for_mask: bool = False,
+    return_all_outputs: bool = True,
+) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
+    """Keras' `backend.rnn`, always unrolled over the static time steps.
+
+    Takes and returns what Keras' `keras.src.backend.tensorflow.rnn.rnn` does;
+    `unroll` is ignored (always unrolled). Keras' unrolled path slices the
+    time steps with `Unpack`, masks with `Select` and joins them with `Pack`,
+    all of which DTensor lays out. The graph grows with the number of steps.
+
+    Raises:
+        ValueError: If the number of time steps is not known when tracing.
+    """
+    time_axis = 0 if time_major else 1
+    first_input = tree.flatten(inputs)[0]
+    time_steps = first_input.shape[time_axis]
+    if time_steps is None:
+        if in_symbolic_scope():
+            # Keras only infers output shapes here: the graph never runs.
+            return keras_original(_KERAS_RNN, "rnn")(
+                step_function,
+                inputs,
+                initial_states,
+                go_backwards=go_backwards,
+                mask=mask,
+                constants=constants,
+                unroll=unroll,
+                input_length=input_length,
+                time_major=time_major,
+                zero_output_for_mask=zero_output_for_mask,
+                return_all_outputs=return_all_outputs,
+            )
+        raise ValueError(
+            f"Layer '{current_path() or 'rnn'}' runs a recurrence over input of shape "
+            f"{first_input.shape}, whose number of time steps (axis {time_axis}) is "
+            "unknown when traced. On a tfmp mesh a recurrence is unrolled over a "
+            "static number of time steps: give the model's Input a fixed sequence "
+            "length, e.g. keras.Input((timesteps, features)), and pad shorter "
+            "sequences to it (with Masking or Embedding(mask_zero=True) to skip "
+            "the padding)."
+        )
+    if go_backwards:
+        # Keras' unrolled path zeroes masked outputs (zero_output_for_mask)
+        # with the mask in forward order while its outputs are in backward
+        # order; running forward over reversed inputs and mask avoids that.
+        inputs = tree.map_structure(lambda t: flip(t, time_axis), inputs)
+        mask = None if mask is None else flip(mask, time_axis)
+    last_output, outputs, states = keras_original(_KERAS_RNN, "rnn")(
+        step_function,
+        inputs,
+        initial_states,
+        mask=mask,
+        constants=constants,
+        unroll=True,
+        time_major=time_major,
+        zero_output_for_mask=zero_output_for_mask,
+        return_all_outputs=return_all_outputs,
+        input_length=time_steps,
+    )
+    if not return_all_outputs:
+        # Keras' unrolled path broadcasts this one step against the whole mask
+        # when it zeroes masked outputs; the loop's answer is the last output.
+        outputs = tf.expand_dims(last_output, time_axis)
+    return last_output, outputs, states
+
+
+def generic_recurrence(*args: Any, **kwargs: Any) -> NoReturn:
+    """Keras' fused (cuDNN) `backend.lstm`/`backend.gru` on a mesh: declines.
+
+    Raising `NotImplementedError` is Keras' signal to fall back to the layer's
+    generic loop over its cell (`backend.rnn`, unrolled on a mesh), which is
+    what it does on a CPU anyway.
+
+    Raises:
+        NotImplementedError: Always.
+    """
+    raise NotImplementedError("cuDNN kernels do not run on a DTensor mesh")
+
+
+def split(x: Any, indices_or_sections: int | list[int], axis: int = 0) -> list[tf.Tensor]:
+    """Keras' `numpy.split` as slices, which DTensor lays out on any dimension.
+
+    DTensor's `Split` refuses a dimension split over the mesh; an LSTM or GRU
+    cell splits its gate pre-activations into gates, and with the kernel's
+    columns (the gate units) on "model" that dimension is split. DTensor
+    gathers a sliced dimension: the all-gather that follows a column-parallel
+    matmul. Where the cuts are not known when tracing (a dimension of unknown
+    length, symbolic indices), and for a length that does not divide evenly
+    (which Keras rejects), this is Keras' own.
+
+    Args:
+        x: A tensor.
+        indices_or_sections: The number of equal parts, or the indices to cut at.
+        axis: The axis to cut.
+
+    Returns:
+        The parts, as Keras' `split` returns them.
+    """
+    x = convert_to_tensor(x)
+    cuts = _static_cuts(x.shape[axis], indices_or_sections)
+    if cuts is None:
+        return keras_original(_NUMPY, "split")(x, indices_or_sections, axis=axis)
+    index = [slice(None)] * x.shape.rank
+    parts = []
+    for start, stop in zip([0, *cuts], [*cuts, x.shape[axis]]):
+        index[axis] = slice(start, stop)
+        parts.append(x[tuple(index)])
+    return parts
+
+
+def _static_cuts(length: int | None, indices_or_sections: Any) -> list[int] | None:
+    """Where `split` cuts, or None where that is not known when tracing."""
+    if length is None:
+        return None
+    if isinstance(indices_or_sections, int):
+        sections = indices_or_sections
+        if sections < 1 or length % sections:
+            return None  # Keras raises its own error
+        return [length * i // sections for i in range(1, sections)]
+    try:
+        return [int(i) for i in indices_or_sections]
+    except TypeError:  # symbolic indices
+        return None
+
+
+def flip(x: Any, axis: int | tuple[int, ...] | list[int] | None = None) -> tf.Tensor:
+    """Keras' `numpy.flip` as a gather of reversed indices along each flipped axis.
+
+    Args:
+        x: A tensor.
+        axis: The axis or axes to reverse; None reverses every axis.
+
+    Returns:
+        `x` with the entries along `axis` in reverse order.
+    """
+    x = convert_to_tensor(x)
+    rank = x.shape.rank
+    axes = range(rank) if axis is None else tree.flatten(axis)
+    for a in sorted({a % rank for a in axes}):
+        x = tf.gather(x, _reversed_indices(x, a), axis=a)
+    return x
+
+
+def fliplr(x: Any) -> tf.Tensor:
+    """Keras' `numpy.fliplr`: reverses axis 1."""
+    return flip(x, 1)
+
+
+def flipud(x: Any) -> tf.Tensor:
+    """Keras' `numpy.flipud`: reverses axis 0."""
+    return flip(x, 0)
+
+
+def _reversed_indices(x: tf.Tensor, axis: int) -> tf.Tensor:
+    length = x.shape[axis]
+    if length is None:
+        length = tf.shape(x)[axis]
+    return tf.range(length - 1, -1, -1)
+
+
+_REVERSE_V2 = "tf.reverse (ReverseV2) has no DTensor layout propagation"
+
+LOWERINGS: tuple[Lowering, ...] = (
+    Lowering(
+        _NUMPY,
+        "split",
+        f"{_HERE}:split",
+        "Split refuses a dimension split over the mesh (an LSTM/GRU's gates on \"model\")",
+    ),
+    Lowering(
+        _BACKEND,
+        "rnn",
+        f"{_HERE}:rnn",
+        "tf.while_loop over TensorArrays: TensorList ops have no DTensor layout propagation",
+    ),
+    Lowering(_BACKEND, "lstm", f"{_HERE}:generic_recurrence", "cuDNN's CudnnRNNV3 on a GPU"),
+    Lowering(_BACKEND, "gru", f"{_HERE}:generic_recurrence", "cuDNN's CudnnRNNV3 on a GPU"),
+    Lowering(_NUMPY, "flip", f"{_HERE}:flip", _REVERSE_V2),
+    Lowering(_NUMPY, "fliplr", f"{_HERE}:fliplr", _REVERSE_V2),
+    Lowering(_NUMPY, "flipud", f"{_HERE}:flipud", _REVERSE_V2),
+)
