@@ -44,7 +44,8 @@ def number(text: str) -> float:
 
 def summary_row(out: str, variable: str) -> list[str]:
     """The columns of `tfmp.summary`'s row for `variable`: path, shape,
-    layout, per-device shape, bytes per device."""
+    layout, layout read as ("same" unless gathered on use), per-device shape,
+    bytes per device."""
     return re.split(r"\s{2,}", line_with(out, variable + " "))
 
 
@@ -53,8 +54,8 @@ def test_mlp_column_row_trains_split_over_model():
     losses = epoch_losses(out)
     assert len(losses) == 3 and losses[-1] < 0.7 * losses[0]
     # Each device holds a quarter of the hidden units' columns, then rows.
-    assert summary_row(out, "up_0/kernel")[1:4] == ["(64, 256)", "(None, 'model')", "(64, 64)"]
-    assert summary_row(out, "down_0/kernel")[1:4] == ["(256, 64)", "('model', None)", "(64, 64)"]
+    assert summary_row(out, "up_0/kernel")[1:5] == ["(64, 256)", "(None, 'model')", "same", "(64, 64)"]
+    assert summary_row(out, "down_0/kernel")[1:5] == ["(256, 64)", "('model', None)", "same", "(64, 64)"]
     device_lines = [line for line in out.splitlines() if "/device:CPU:" in line and "bytes" in line]
     assert len(device_lines) == 8
 
@@ -77,8 +78,8 @@ def test_cnn_channel_split_learns_the_quadrant():
     assert len(losses) == 3 and losses[-1] < 0.5 * losses[0]
     validation_accuracy = float(line_with(out, "validation:").split("accuracy ")[1])
     assert validation_accuracy > 0.7  # chance: 0.25
-    assert summary_row(out, "block_0_filters/kernel")[2:4] == ["(None, None, None, 'model')", "(3, 3, 3, 8)"]
-    assert summary_row(out, "block_0_channels/kernel")[2:4] == ["(None, None, 'model', None)", "(3, 3, 8, 16)"]
+    assert summary_row(out, "block_0_filters/kernel")[2:5] == ["(None, None, None, 'model')", "same", "(3, 3, 3, 8)"]
+    assert summary_row(out, "block_0_channels/kernel")[2:5] == ["(None, None, 'model', None)", "same", "(3, 3, 8, 16)"]
 
 
 def test_pipeline_example_balances_stages_and_trains_with_1f1b():

@@ -24,7 +24,7 @@ def keras_mesh(shape, axis_names, devices=None):
 
 
 def assert_fit_matches_single_device(
-    build, compile_fn, strategy, x, y, weight_atol=1e-5, **fit_kwargs
+    build, compile_fn, strategy, x, y, weight_atol=1e-5, prediction_atol=None, **fit_kwargs
 ):
     """Fits `build()` on one device and in the strategy's scope from the same
     weights (same optimizer and batches); per-step losses, history, final weights and
@@ -52,7 +52,8 @@ def assert_fit_matches_single_device(
     predictions = model.predict(x, verbose=0)
     # 1e-5 of the output scale: shards sum in another order than one device.
     scale = max(1.0, float(np.max(np.abs(ref_predictions))))
-    np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-5, atol=1e-5 * scale)
+    atol = prediction_atol or 1e-5 * scale
+    np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-5, atol=atol)
     differences = {
         "loss": float(np.max(np.abs(np.subtract(losses, ref_losses)))),
         "weights": max(float(np.max(np.abs(a - b))) for a, b in zip(ref_final, final)),
@@ -297,8 +298,10 @@ HUB_BACKBONES = {
     ),
 }
 # Qwen3's query/key RMSNorm leaves the query kernel and the embedding tiny
-# gradients, whose float noise Adam scales up to ~2e-5 in 5 steps.
+# gradients, whose float noise Adam scales up to ~2e-5 in 5 steps; through the
+# experts' routing that moves a prediction (scale 3.7) by up to 1.4e-4.
 WEIGHT_ATOL = {"qwen3_moe": 5e-5}
+PREDICTION_ATOL = {"qwen3_moe": 2e-4}
 
 
 def build_hub_classifier(keras_hub, name):
@@ -352,6 +355,7 @@ def test_backbone_with_its_own_layout_map_matches_single_device(keras_hub, name)
         x,
         labels,
         weight_atol=WEIGHT_ATOL.get(name, 1e-5),
+        prediction_atol=PREDICTION_ATOL.get(name),
         batch_size=4,
     )
 
