@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tfmp
 from helpers import assert_weights_close, mesh, train
-from tfmp.layers.tap_conv import conv2d_by_taps
+from tfmp.lowering.conv import conv
 
 
 @pytest.mark.parametrize("padding", ["same", "valid"])
@@ -21,7 +21,7 @@ def test_tap_lowering_matches_tf_convolution(padding, strides, dilation):
     with tf.GradientTape(persistent=True) as tape:
         tape.watch([x, kernel])
         want = tf.nn.convolution(x, kernel, strides, padding.upper(), dilations=dilation)
-        got = conv2d_by_taps(x, kernel, (strides,) * 2, padding, (dilation,) * 2)
+        got = conv(x, kernel, strides, padding, "channels_last", dilation)
         want_loss, got_loss = tf.reduce_sum(want**2), tf.reduce_sum(got**2)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(tape.gradient(got_loss, [x, kernel]), tape.gradient(want_loss, [x, kernel])):

@@ -6,12 +6,13 @@ import warnings
 from typing import Any
 
 import keras
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.layers.declaring import DeclaresLayouts
+from tfmp.layers.declaring import BACKWARD_SCOPE, DeclaresLayouts
 from tfmp.layers.mesh_context import batch_spec
-from tfmp.layers.tap_conv import conv2d_by_taps
 from tfmp.layout import Axes
+from tfmp.lowering.conv import conv
 
 SPLITS = ("filters", "channels", "spatial")
 
@@ -91,27 +92,15 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
             return super().convolution_op(inputs, kernel)
         mesh = layout.mesh
         if self.axis not in mesh.dim_names:
-            # Nothing to split: DTensor's own Conv2D runs batch-split inputs.
+            # Nothing of this layer's to split: Keras' own path, which tfmp
+            # lowers on a mesh all the same.
             return super().convolution_op(inputs, kernel)
-        batch = batch_spec(inputs, mesh, self.axis)
         if self.split == "spatial":
-            self._warn_gather()
-            inputs = dtensor.relayout(inputs, _layout(mesh, batch))
-        channels = {"filters": (None, self.axis), "channels": (self.axis, None)}
-        input_channels, output_channels = channels.get(self.split, (None, None))
-        outputs = conv2d_by_taps(
-            inputs,
-            kernel,
-            self.strides,
-            self.padding,
-            self.dilation_rate,
-            pad_layouts=(
-                _layout(mesh, batch, channels=input_channels),
-                _layout(mesh, batch, channels=output_channels),
-            ),
-        )
+            self._warn_gather()  # the tap-wise convolution gathers the height
+        outputs = conv(inputs, kernel, self.strides, self.padding, self.data_format, self.dilation_rate)
         if self.split == "spatial" and outputs.shape[1] % mesh.dim_size(self.axis) == 0:
-            outputs = dtensor.relayout(outputs, _layout(mesh, batch, height=self.axis))
+            batch = batch_spec(inputs, mesh, self.axis)
+            outputs = _relayout(outputs, _layout(mesh, batch, self.axis), _layout(mesh, batch))
         return outputs
 
     def _warn_gather(self) -> None:
@@ -130,11 +119,25 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
         return {**super().get_config(), "split": self.split}
 
 
-def _layout(
-    mesh: dtensor.Mesh,
-    batch: str,
-    height: str | None = None,
-    channels: str | None = None,
-) -> dtensor.Layout:
-    specs = [batch, height or dtensor.UNSHARDED, dtensor.UNSHARDED, channels]
-    return dtensor.Layout([spec or dtensor.UNSHARDED for spec in specs], mesh)
+def _layout(mesh: dtensor.Mesh, batch: str, height: str = dtensor.UNSHARDED) -> dtensor.Layout:
+    specs = [batch, height, dtensor.UNSHARDED, dtensor.UNSHARDED]
+    return dtensor.Layout(specs, mesh)
+
+
+def _relayout(value: tf.Tensor, layout: dtensor.Layout, gradient_layout: dtensor.Layout) -> tf.Tensor:
+    """`value` in `layout`; its gradient in `gradient_layout`.
+
+    Autodiff would relayout the gradient "like" the value, a layout DTensor
+    infers, and then fails to meet ("output layout of Relayout op after layout
+    propagation does not match").
+    """
+
+    @tf.custom_gradient
+    def relayout(value: tf.Tensor):
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            with tf.name_scope(BACKWARD_SCOPE):
+                return dtensor.relayout(dy, gradient_layout)
+
+        return dtensor.relayout(value, layout), grad
+
+    return relayout(value)

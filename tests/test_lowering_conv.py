@@ -1,0 +1,349 @@
+"""Every Keras convolution on a mesh: tfmp's tap-wise lowerings against Keras' own."""
+
+import importlib
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from helpers import assert_parity, rules
+from tfmp.lowering import conv as lowered
+
+KERAS_NN = importlib.import_module("keras.src.backend.tensorflow.nn")
+BATCH = 12  # 3 training steps of 4 rows; 4 divides by the batch axis (2)
+
+
+def keras_own(name: str, module: str = "nn"):
+    """Keras' TF backend function, also where a strategy has wrapped it."""
+    function = getattr(importlib.import_module(f"keras.src.backend.tensorflow.{module}"), name)
+    return getattr(function, "__wrapped_keras__", function)
+
+
+def normal(*shape: int, seed: int = 0) -> tf.Tensor:
+    return tf.constant(np.random.default_rng(seed).normal(size=shape) * 0.5, tf.float32)
+
+
+def assert_same_values_and_gradients(name: str, arrays: list, **kwargs) -> None:
+    """tfmp's `name` equals Keras' own, and so do the gradients of a random
+    projection of the output in every input."""
+    tensors = [normal(*shape, seed=i) for i, shape in enumerate(arrays)]
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(tensors)
+        want = keras_own(name)(*tensors, **kwargs)
+        got = getattr(lowered, name)(*tensors, **kwargs)
+        projection = normal(*want.shape, seed=99)
+        want_loss = tf.reduce_sum(want * projection)
+        got_loss = tf.reduce_sum(got * projection)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for got_grad, want_grad in zip(tape.gradient(got_loss, tensors), tape.gradient(want_loss, tensors)):
+        np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+CONV_STRIDES = [
+    dict(strides=1, padding="valid"),
+    dict(strides=2, padding="valid"),
+    dict(strides=1, padding="same"),
+    dict(strides=2, padding="same"),
+    dict(strides=1, padding="same", dilation_rate=2),
+]
+
+
+@pytest.mark.parametrize("kwargs", CONV_STRIDES, ids=str)
+@pytest.mark.parametrize(
+    "shapes",
+    [[(2, 9, 3), (3, 3, 4)], [(2, 7, 8, 3), (3, 2, 3, 4)], [(2, 5, 6, 5, 2), (3, 2, 2, 2, 3)]],
+    ids=["1d", "2d", "3d"],
+)
+def test_conv(shapes, kwargs):
+    assert_same_values_and_gradients("conv", shapes, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "shapes,kwargs",
+    [
+        ([(2, 7, 8, 6), (3, 3, 2, 9)], dict(strides=2, padding="same")),  # 3 groups
+        ([(2, 9, 4), (3, 2, 4)], dict(padding="valid", dilation_rate=2)),  # 2 groups
+        ([(2, 3, 7, 8), (3, 3, 3, 4)], dict(strides=2, padding="same", data_format="channels_first")),
+        ([(2, 4, 9), (3, 2, 6)], dict(padding="same", data_format="channels_first")),  # grouped
+    ],
+    ids=["groups-2d", "groups-1d", "channels-first-2d", "channels-first-groups-1d"],
+)
+def test_grouped_and_channels_first_conv(shapes, kwargs):
+    assert_same_values_and_gradients("conv", shapes, **kwargs)
+
+
+DEPTHWISE = [
+    dict(strides=1, padding="valid"),
+    dict(strides=2, padding="same"),
+    dict(strides=1, padding="same", dilation_rate=2),
+    dict(strides=2, padding="valid", dilation_rate=2),  # Keras decomposes this one
+]
+
+
+@pytest.mark.parametrize("kwargs", DEPTHWISE, ids=str)
+@pytest.mark.parametrize(
+    "shapes", [[(2, 9, 3), (3, 3, 2)], [(2, 7, 8, 3), (3, 3, 3, 1)]], ids=["1d", "2d"]
+)
+def test_depthwise_conv(shapes, kwargs):
+    assert_same_values_and_gradients("depthwise_conv", shapes, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", DEPTHWISE, ids=str)
+@pytest.mark.parametrize(
+    "shapes",
+    [[(2, 9, 3), (3, 3, 2), (1, 6, 5)], [(2, 7, 8, 3), (3, 3, 3, 2), (1, 1, 6, 5)]],
+    ids=["1d", "2d"],
+)
+def test_separable_conv(shapes, kwargs):
+    assert_same_values_and_gradients("separable_conv", shapes, **kwargs)
+
+
+def test_depthwise_and_separable_channels_first():
+    kwargs = dict(strides=2, padding="same", data_format="channels_first")
+    assert_same_values_and_gradients("depthwise_conv", [(2, 3, 7, 8), (3, 3, 3, 2)], **kwargs)
+    assert_same_values_and_gradients("separable_conv", [(2, 3, 9), (3, 3, 2), (1, 6, 4)], **kwargs)
+
+
+TRANSPOSE = [
+    dict(strides=1, padding="valid"),
+    dict(strides=2, padding="valid"),
+    dict(strides=2, padding="valid", output_padding=1),
+    dict(strides=1, padding="same"),
+    dict(strides=2, padding="same"),
+    dict(strides=2, padding="same", output_padding=1),
+    dict(strides=2, padding="same", output_padding=0),
+]
+
+
+@pytest.mark.parametrize("kwargs", TRANSPOSE, ids=str)
+@pytest.mark.parametrize(
+    "shapes",
+    [[(2, 5, 3), (3, 4, 3)], [(2, 5, 6, 3), (3, 3, 4, 3)], [(2, 3, 4, 3, 2), (3, 3, 3, 3, 2)]],
+    ids=["1d", "2d", "3d"],
+)
+def test_conv_transpose(shapes, kwargs):
+    assert_same_values_and_gradients("conv_transpose", shapes, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(strides=3, padding="same", output_padding=(1, 2)),
+        dict(strides=1, padding="same", dilation_rate=2),
+        dict(strides=2, padding="same", data_format="channels_first"),
+    ],
+    ids=str,
+)
+def test_conv_transpose_2d_variants(kwargs):
+    shapes = [(2, 3, 5, 6), (3, 3, 4, 3)] if "data_format" in kwargs else [(2, 5, 6, 3), (4, 5, 4, 3)]
+    assert_same_values_and_gradients("conv_transpose", shapes, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "x1,x2",
+    [
+        ((2, 5, 5, 4), (1, 1, 1, 4)),  # a conv bias, channels last
+        ((2, 4, 5, 5), (1, 4, 1, 1)),  # channels first
+        ((2, 4, 6), (1, 4, 1)),  # rank-3 channels first
+        ((2, 4, 4), (1, 4, 1)),  # ambiguous: Keras adds it along the last axis
+        ((2, 3), (3,)),  # a Dense bias
+        ((2, 3, 4), (2, 1, 4)),  # no bias: broadcasting
+    ],
+    ids=str,
+)
+def test_add_matches_keras(x1, x2):
+    want = keras_own("add", "numpy")(normal(*x1), normal(*x2, seed=1))
+    np.testing.assert_array_equal(lowered.add(normal(*x1), normal(*x2, seed=1)), want)
+
+
+def test_add_promotes_dtypes_as_keras():
+    got = lowered.add(tf.constant([1, 2], tf.int32), 0.5)
+    assert got.dtype == keras_own("add", "numpy")(tf.constant([1, 2], tf.int32), 0.5).dtype
+    np.testing.assert_array_equal(got, [1.5, 2.5])
+
+
+def test_unknown_batch_size():
+    x, kernel = normal(3, 6, 5, 2), normal(3, 3, 2, 4, seed=1)
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 6, 5, 2))])
+    def value_and_gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = lowered.conv_transpose(lowered.conv(x, kernel, strides=2, padding="same"), kernel, strides=2)
+            loss = tf.reduce_sum(y**2)
+        return y, tape.gradient(loss, x)
+
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = keras_own("conv")(x, kernel, strides=2, padding="same")
+        y = keras_own("conv_transpose")(y, kernel, strides=2)
+        loss = tf.reduce_sum(y**2)
+    got_y, got_dx = value_and_gradient(x)
+    np.testing.assert_allclose(got_y, y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_dx, tape.gradient(loss, x), rtol=1e-5, atol=1e-5)
+
+
+def test_errors_name_the_argument_and_the_fix():
+    x, kernel = tf.zeros((2, 6, 6, 3)), tf.zeros((3, 3, 3, 4))
+    with pytest.raises(ValueError, match=r"padding=\(\(1, 1\), \(1, 1\)\).*ZeroPadding"):
+        lowered.conv(x, kernel, padding=((1, 1), (1, 1)))
+    with pytest.raises(ValueError, match=r"smaller than the kernel's span 7.*padding='same'"):
+        lowered.conv(x, kernel, dilation_rate=3)
+    with pytest.raises(ValueError, match=r"output_padding=2.*smaller than the stride"):
+        lowered.conv_transpose(x, tf.zeros((3, 3, 4, 3)), strides=2, output_padding=2)
+
+    @tf.function(input_signature=[tf.TensorSpec((None, None, 6, 3))])
+    def unknown_height(x):
+        return lowered.depthwise_conv(x, tf.zeros((3, 3, 3, 1)))
+
+    with pytest.raises(ValueError, match=r"depthwise_conv on a mesh needs a static spatial.*keras.Input\("):
+        unknown_height.get_concrete_function()
+
+
+def test_lowerings_take_keras_arguments():
+    names = {lowering.name for lowering in lowered.LOWERINGS}
+    assert names == {"add", "conv", "depthwise_conv", "separable_conv", "conv_transpose"}
+    for lowering in lowered.LOWERINGS:
+        module, replacement = lowering.resolve()
+        keras_function = getattr(module, lowering.name)
+        keras_signature = inspect.signature(getattr(keras_function, "__wrapped_keras__", keras_function))
+        assert inspect.signature(replacement).parameters.keys() == keras_signature.parameters.keys()
+        for name, parameter in keras_signature.parameters.items():
+            assert inspect.signature(replacement).parameters[name].default == parameter.default
+
+
+def test_conv_lstm_convolves_through_the_backend_conv(monkeypatch):
+    calls = []
+    keras_conv = keras_own("conv")
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return keras_conv(*args, **kwargs)
+
+    monkeypatch.setattr(KERAS_NN, "conv", counting)
+    layer = keras.layers.ConvLSTM1D(2, 3, padding="same")
+    layer(np.zeros((1, 2, 5, 3), "float32"))
+    # Per step, 4 gates of the input and 4 of the state.
+    assert len(calls) >= 8 and {tuple(shape) for shape in calls} == {(3, 3, 2), (3, 2, 2)}
+
+
+# --- Parity with one device on a mesh ---------------------------------------
+
+FILTERS = (None, None, None, "model")  # a 2-D kernel's last dimension
+CHANNELS = (None, None, "model", None)
+
+
+def data(shape: tuple, outputs: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return (
+        rng.normal(size=(BATCH,) + shape).astype("float32"),
+        rng.normal(size=(BATCH, outputs)).astype("float32"),
+    )
+
+
+def build_2d() -> keras.Model:
+    layers = keras.layers
+    # Small kernels: compiling the step on the mesh costs about a second per tap.
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 4)),
+            layers.Conv2D(8, (3, 2), padding="same", activation="relu", name="filters"),
+            layers.Conv2D(8, 2, strides=2, padding="same", name="channels"),
+            layers.Conv2D(8, 2, padding="same", groups=4, name="grouped"),
+            layers.DepthwiseConv2D(2, padding="same", depth_multiplier=2, name="depthwise"),
+            layers.SeparableConv2D(8, 2, name="separable"),
+            layers.Conv2DTranspose(4, 2, strides=2, padding="same", output_padding=1, name="transpose"),
+            layers.GlobalAveragePooling2D(),
+            layers.Dense(3, name="out"),
+        ]
+    )
+
+
+SPLIT_2D = {
+    "filters/kernel": FILTERS,
+    "filters/bias": ("model",),
+    "channels/kernel": CHANNELS,
+    "grouped/kernel": FILTERS,  # whole groups on each device
+    "grouped/bias": ("model",),
+    "depthwise/kernel": CHANNELS,  # (taps, taps, channels, multiplier)
+    "depthwise/bias": ("model",),
+    "separable/depthwise_kernel": CHANNELS,
+    "separable/pointwise_kernel": CHANNELS,
+    "transpose/kernel": FILTERS,  # (taps, taps, filters, channels): split channels
+}
+
+
+def test_conv2d_family_split():
+    model = assert_parity(build_2d, rules(SPLIT_2D), *data((6, 6, 4)))
+    report = tfmp.comm_report(model, print_fn=lambda _: None)
+    on_model = [c for c in report.collectives if c.axes == ("model",)]
+    # One all-reduce of the output per layer that contracts split channels
+    # (channels, separable's pointwise, transpose), not one per tap, and no
+    # gather; the backward pass at most one collective per split layer.
+    assert [c.kind for c in on_model if c.phase == "forward"] == ["all-reduce"] * 3
+    assert len([c for c in on_model if c.phase == "backward"]) <= 4
+
+
+def build_1d() -> keras.Model:
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((8, 4)),
+            layers.Conv1D(8, 3, padding="same", activation="relu", name="filters"),
+            layers.Conv1D(8, 3, strides=2, name="channels"),
+            layers.DepthwiseConv1D(3, padding="same", name="depthwise"),
+            layers.SeparableConv1D(8, 3, padding="same", depth_multiplier=2, name="separable"),
+            layers.Conv1DTranspose(8, 3, strides=2, name="transpose"),
+            layers.Conv1D(16, 2, padding="same", data_format="channels_first", name="first"),
+            layers.GlobalAveragePooling1D(),
+            layers.Dense(3, name="out"),
+        ]
+    )
+
+
+SPLIT_1D = {
+    "filters/kernel": (None, None, "model"),
+    "filters/bias": ("model",),
+    "channels/kernel": (None, "model", None),
+    "separable/pointwise_kernel": (None, None, "model"),
+    "separable/bias": ("model",),
+    "transpose/kernel": (None, "model", None),  # split filters
+    "transpose/bias": ("model",),
+    "first/kernel": (None, None, "model"),
+    "first/bias": ("model",),
+}
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
+def test_conv1d_family_split_and_depthwise_replicated(shape):
+    assert_parity(build_1d, rules(SPLIT_1D), *data((8, 4)), mesh_shape=shape)
+
+
+def build_3d() -> keras.Model:
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((4, 5, 4, 2)),
+            layers.Conv3D(8, 2, padding="same", name="filters"),
+            layers.Conv3D(8, (2, 1, 2), strides=2, padding="same", name="channels"),
+            layers.Conv3DTranspose(4, 2, strides=2, name="transpose"),
+            layers.GlobalAveragePooling3D(),
+            layers.Dense(3, name="out"),
+        ]
+    )
+
+
+SPLIT_3D = {
+    "filters/kernel": (None, None, None, None, "model"),
+    "filters/bias": ("model",),
+    "channels/kernel": (None, None, None, "model", None),
+    "transpose/kernel": (None, None, None, None, "model"),
+}
+
+
+def test_conv3d_family_split():
+    assert_parity(build_3d, rules(SPLIT_3D), *data((4, 5, 4, 2)))
