@@ -185,3 +185,22 @@ def rules(axes_by_key: dict):
         return layout_map
 
     return layout_map_fn
+
+
+class MinimalCell(keras.layers.Layer):
+    """An Elman cell written as a plain Keras layer."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.state_size = units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
+        self.recurrent_kernel = self.add_weight(
+            shape=(self.units, self.units), name="recurrent_kernel"
+        )
+
+    def call(self, inputs, states):
+        output = keras.ops.tanh(inputs @ self.kernel + states[0] @ self.recurrent_kernel)
+        return output, [output]

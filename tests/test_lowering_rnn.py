@@ -10,7 +10,7 @@ from keras.src import backend
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import assert_parity, mesh, rules
+from helpers import MinimalCell, assert_parity, mesh, rules
 from tfmp.forward import forward_on
 from tfmp.lowering import rnn as rnn_lowering
 
@@ -94,25 +94,6 @@ def test_lstm_gru_simple_rnn_gates_split():
         rules({**LSTM_GATES, **GRU_GATES, **SIMPLE_RNN_UNITS}),
         *sequences(0),
     )
-
-
-class MinimalCell(keras.layers.Layer):
-    """An Elman cell written as a plain Keras layer."""
-
-    def __init__(self, units, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.state_size = units
-
-    def build(self, input_shape):
-        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
-        self.recurrent_kernel = self.add_weight(
-            shape=(self.units, self.units), name="recurrent_kernel"
-        )
-
-    def call(self, inputs, states):
-        output = keras.ops.tanh(inputs @ self.kernel + states[0] @ self.recurrent_kernel)
-        return output, [output]
 
 
 def build_cells() -> keras.Model:

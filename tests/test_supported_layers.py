@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import pytest
 
-from helpers import assert_parity, rules
+from helpers import MinimalCell, assert_parity, rules
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "supported-layers.md")
 N = 12  # 3 steps of 4 rows: divides by the batch axis of a 2x4 mesh
@@ -130,7 +130,7 @@ CASES = (
          {"layer/gru_cell/(kernel|recurrent_kernel)": (None, MODEL)}),
     Case("Bidirectional", "LSTM gate units", lambda: L.Bidirectional(L.LSTM(4, return_sequences=True), name="layer"),
          (3, 4), {"layer/.*/(kernel|recurrent_kernel)": (None, MODEL)}),
-    Case("RNN", "custom cell", lambda: L.RNN(_MinimalCell(8), name="layer"), (5, 4), {}),
+    Case("RNN", "custom cell", lambda: L.RNN(MinimalCell(8), name="layer"), (5, 4), {}),
     Case("ConvLSTM2D", "filters", lambda: L.ConvLSTM2D(4, (1, 3), padding="same", name="layer"), (2, 3, 3, 2),
          {"layer/.*(kernel|recurrent_kernel)": (None, None, None, MODEL)}),
     Case("Dropout", "activations over batch and model", lambda: _AfterColumn(L.Dropout(0.5)), (8,), _COLUMN, BOTH),
@@ -169,23 +169,6 @@ class _AfterColumn(keras.layers.Layer):
 
     def call(self, x, training=None):
         return self.inner(self.column(x), training=training)
-
-
-class _MinimalCell(keras.layers.Layer):
-    """The custom cell of Keras' RNN guide."""
-
-    def __init__(self, units, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.state_size = units
-
-    def build(self, input_shape):
-        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
-        self.recurrent_kernel = self.add_weight(shape=(self.units, self.units), name="recurrent_kernel")
-
-    def call(self, inputs, states):
-        output = keras.ops.tanh(inputs @ self.kernel + states[0] @ self.recurrent_kernel)
-        return output, [output]
 
 
 class _TransformerBlock(keras.layers.Layer):

@@ -100,42 +100,6 @@ def dropout(inputs: Any, rate: float, noise_shape: Any = None, seed: Any = None)
     )
 
 
-def categorical(*args: Any, **kwargs: Any) -> NoReturn:
-    """Keras' `random.categorical` on a mesh: declines.
-
-    Raises:
-        ValueError: Always; DTensor cannot lay out `StatelessMultinomial`.
-    """
-    _no_layout_rule("categorical")
-
-
-def gamma(*args: Any, **kwargs: Any) -> NoReturn:
-    """Keras' `random.gamma` on a mesh: declines.
-
-    Raises:
-        ValueError: Always; DTensor cannot lay out `StatelessRandomGammaV3`.
-    """
-    _no_layout_rule("gamma")
-
-
-def binomial(*args: Any, **kwargs: Any) -> NoReturn:
-    """Keras' `random.binomial` on a mesh: declines.
-
-    Raises:
-        ValueError: Always; DTensor cannot lay out `StatelessRandomBinomial`.
-    """
-    _no_layout_rule("binomial")
-
-
-def beta(*args: Any, **kwargs: Any) -> NoReturn:
-    """Keras' `random.beta` on a mesh (a ratio of gamma draws): declines.
-
-    Raises:
-        ValueError: Always; DTensor cannot lay out `StatelessRandomGammaV3`.
-    """
-    _no_layout_rule("beta")
-
-
 # The op each draw DTensor cannot lay out is made with.
 _NO_LAYOUT_RULE = {
     "categorical": "StatelessMultinomial",
@@ -145,13 +109,25 @@ _NO_LAYOUT_RULE = {
 }
 
 
-def _no_layout_rule(name: str) -> NoReturn:
-    raise ValueError(
-        f"keras.random.{name} cannot run in a layer's forward pass on a tfmp mesh: "
-        f"DTensor has no layout rule for TensorFlow's {_NO_LAYOUT_RULE[name]}. Draw "
-        "it outside the model, e.g. in the tf.data pipeline (where AugMix, MixUp "
-        "and CutMix belong)."
-    )
+def _declining(name: str) -> Callable[..., NoReturn]:
+    """Keras' `random.<name>` on a mesh: a ValueError that says where to draw."""
+
+    def decline(*args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(
+            f"keras.random.{name} cannot run in a layer's forward pass on a tfmp mesh: "
+            f"DTensor has no layout rule for TensorFlow's {_NO_LAYOUT_RULE[name]}. Draw "
+            "it outside the model, e.g. in the tf.data pipeline (where AugMix, MixUp "
+            "and CutMix belong)."
+        )
+
+    decline.__name__ = name
+    return decline
+
+
+categorical = _declining("categorical")
+gamma = _declining("gamma")
+binomial = _declining("binomial")
+beta = _declining("beta")  # a ratio of gamma draws
 
 
 _MODULE = "keras.src.backend.tensorflow.random"
