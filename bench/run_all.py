@@ -118,6 +118,18 @@ def tensor_parallel(output: str) -> list[Row]:
                 _met(round(comm, 2) == 1.00)),
             Row(f"step time / 1x1, {mesh}", m["step"]),
         ]
+    # | 2x4 | 1,234 | 1.023 | 5,678 | 2.377 |   (the fully sharded table)
+    sharded = re.compile(
+        r"^\| (?P<mesh>\d+x\d+) \| [\d,]+ \| (?P<memory>[\d.]+) \| [\d,]+ \| (?P<comm>[\d.]+) \|$"
+    )
+    for m in map(sharded.match, output.splitlines()):
+        if m:
+            rows += [
+                Row(f"fully sharded memory / (total / 8), {m['mesh']}", m["memory"], "<= 1.05",
+                    _met(float(m["memory"]) <= 1.05)),
+                Row(f"fully sharded batch-axis bytes / ZeRO-3 minimum, {m['mesh']}", m["comm"],
+                    "<= 1.10", _met(float(m["comm"]) <= 1.10)),
+            ]
     return rows
 
 
