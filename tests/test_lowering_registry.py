@@ -1,0 +1,22 @@
+"""The table of lowerings: every target exists in the installed Keras, and every
+replacement takes the arguments Keras' own function takes."""
+
+import inspect
+
+import pytest
+
+from tfmp.lowering import lowerings
+from tfmp.lowering.registry import keras_original
+
+
+@pytest.mark.parametrize("lowering", lowerings(), ids=lambda lowering: f"{lowering.module}.{lowering.name}")
+def test_replacement_takes_keras_arguments(lowering):
+    keras_function = keras_original(lowering.module, lowering.name)  # fails if Keras moved it
+    _, replacement = lowering.resolve()
+    replacement_parameters = inspect.signature(replacement).parameters
+    if any(p.kind is p.VAR_POSITIONAL for p in replacement_parameters.values()):
+        return  # declines whatever it is given
+    keras_parameters = inspect.signature(keras_function).parameters
+    assert len(replacement_parameters) == len(keras_parameters), lowering
+    for (name, ours), theirs in zip(replacement_parameters.items(), keras_parameters.values()):
+        assert ours.default == theirs.default, (lowering, name)
