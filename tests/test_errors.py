@@ -96,6 +96,16 @@ def test_batch_axis_must_exist():
     assert model_only.batch_axis is None
 
 
+def test_default_batch_axis_refuses_a_mesh_axis_that_would_compute_copies():
+    data_model = tfmp.DeviceMesh((2, 4), ("data", "model"))
+    with pytest.raises(ValueError, match=r"batch_axis='data' to split batches over it"):
+        tfmp.ModelParallelStrategy(data_model)
+    assert tfmp.ModelParallelStrategy(data_model, batch_axis="data").batch_axis == "data"
+    assert tfmp.ModelParallelStrategy(data_model, batch_axis=None).batch_axis is None
+    unit_axis = tfmp.DeviceMesh((1, 8), ("data", "model"))
+    assert tfmp.ModelParallelStrategy(unit_axis).batch_axis is None
+
+
 def test_unmatched_layout_rules_warn_once_at_first_step():
     device_mesh = mesh((2, 4))
     layout_map = mlp_layout_map(device_mesh)

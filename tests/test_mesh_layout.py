@@ -1,11 +1,16 @@
 """DeviceMesh, LayoutMap and summary basics, and the `tfmp demo` command."""
 
+import re
+
+import keras
 import numpy as np
+import pytest
 
 import tfmp
 from helpers import build_mlp, build_on, initial_weights, mesh, mlp_layout_map
 from tfmp import cli
 from tfmp.inspect.summary import bytes_per_device
+from tfmp.layout import as_layout_map
 
 
 def test_mesh_shape_axes_and_devices():
@@ -29,6 +34,37 @@ def test_layout_map_matches_like_keras():
     assert layout_map.match("model/dense_3/kernel") == ("dense.*kernel", (None, "model"))
     assert layout_map.unmatched_keys() == ["dense_1/bias"]
     assert len(layout_map) == 2 and list(layout_map) == ["dense.*kernel", "dense_1/bias"]
+
+
+def test_layout_map_refuses_a_duplicate_key_as_keras_does():
+    layout_map = tfmp.LayoutMap(mesh((2, 4)))
+    layout_map["dense/kernel"] = (None, "model")
+    with pytest.raises(ValueError, match=r"already has a rule for 'dense/kernel'.*del layout_map"):
+        layout_map["dense/kernel"] = ("model", None)
+    del layout_map["dense/kernel"]
+    layout_map["dense/kernel"] = ("model", None)
+    assert layout_map["dense/kernel"] == ("model", None)
+
+
+def test_keras_layout_map_matches_by_the_installed_keras_lookup():
+    keras_mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), [f"cpu:{i}" for i in range(8)])
+
+    class SearchingLayoutMap(keras.distribution.LayoutMap):
+        """The lookup of Keras releases that searched keys anywhere in the path."""
+
+        def __getitem__(self, key):
+            if key in self._layout_map:
+                return self._layout_map[key]
+            found = [pattern for pattern in self._layout_map if re.search(pattern, key)]
+            return self._layout_map[found[0]] if len(found) == 1 else None
+
+    for keras_map_type, matches_inside in ((keras.distribution.LayoutMap, False), (SearchingLayoutMap, True)):
+        keras_map = keras_map_type(keras_mesh)
+        keras_map["up/kernel"] = (None, "model")
+        converted = as_layout_map(keras_map, mesh((2, 4)))
+        expected = (None, "model") if matches_inside else None
+        assert converted["mlp/up/kernel"] == expected
+        assert converted["up/kernel"] == (None, "model")
 
 
 def test_summary_counts_shard_bytes_per_device():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import functools
 import re
 import threading
 import warnings
@@ -23,9 +24,11 @@ class LayoutMap(collections.abc.MutableMapping):
     variable's path (e.g. `"dense_1/kernel"` matches `"mlp/dense_1/kernel"`);
     values give, per dimension of the variable, the mesh axis that dimension
     is split over, or `None` to keep it whole. Variables no rule matches are
-    replicated. A `keras.distribution.LayoutMap` is accepted wherever a
-    `LayoutMap` is, and keeps its own matching: the whole path must match
-    (`re.fullmatch`), as on the JAX backend.
+    replicated. Each key holds one rule: setting a key again is an error, as
+    in Keras (delete it first to change it). A `keras.distribution.LayoutMap`
+    is accepted wherever a `LayoutMap` is, and keeps the matching of the
+    installed Keras, by asking Keras' own lookup (Keras 3.15 matches the whole
+    path, `re.fullmatch`, as on the JAX backend).
 
     Args:
         mesh: The `tfmp.DeviceMesh` (or Keras `DeviceMesh`) the axes refer to.
@@ -42,7 +45,7 @@ class LayoutMap(collections.abc.MutableMapping):
 
     def __init__(self, mesh: Any, whole_path: bool = False):
         self._mesh = as_device_mesh(mesh)
-        self._matches = re.fullmatch if whole_path else re.search
+        self._matches: Any = re.fullmatch if whole_path else re.search
         self._rules: dict[str, Axes] = {}
         self._matched: set[str] = set()
         self.reasons: dict[str, str] = {}  # why a planner left a variable whole
@@ -56,6 +59,11 @@ class LayoutMap(collections.abc.MutableMapping):
     def __setitem__(self, key: str, axes: Any) -> None:
         if not isinstance(key, str):
             raise TypeError(f"LayoutMap keys are regex strings, got {key!r}.")
+        if key in self._rules:
+            raise ValueError(
+                f"LayoutMap already has a rule for {key!r}: {self._rules[key]}. Each "
+                f"key holds one rule; to change it, `del layout_map[{key!r}]` first."
+            )
         axes = _as_axes(axes)
         for axis in axes:
             if axis is not None:
@@ -127,10 +135,11 @@ def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
                 "on the strategy's mesh."
             )
         return layout_map
-    keras_map = type(layout_map).__module__.startswith("keras")
-    converted = LayoutMap(mesh, whole_path=keras_map)
+    converted = LayoutMap(mesh)
     if layout_map is None:
         return converted
+    if _is_keras_layout_map(layout_map):
+        converted._matches = functools.partial(_keras_matches, type(layout_map))  # noqa: SLF001
     if not hasattr(layout_map, "items"):
         raise TypeError(
             f"layout_map must be a tfmp.LayoutMap, keras.distribution.LayoutMap or "
@@ -139,6 +148,25 @@ def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
     for key, axes in layout_map.items():
         converted[key] = axes
     return converted
+
+
+def _is_keras_layout_map(layout_map: Any) -> bool:
+    import keras
+
+    return isinstance(layout_map, keras.distribution.LayoutMap)
+
+
+@functools.lru_cache(maxsize=None)
+def _keras_probe(keras_map_type: type, key: str) -> Any:
+    """A Keras LayoutMap (of the user's map's type) holding `key` alone."""
+    probe = keras_map_type(None)
+    probe[key] = (None,)
+    return probe
+
+
+def _keras_matches(keras_map_type: type, key: str, path: str) -> bool:
+    """Whether Keras' own `LayoutMap` lookup matches `path` with `key`."""
+    return _keras_probe(keras_map_type, key)[path] is not None
 
 
 def _as_axes(axes: Any) -> Axes:

@@ -16,6 +16,7 @@ from tfmp.strategy.stages import StageMeshes
 
 _DEFAULT_BATCH_AXIS = "batch"
 _STAGE_AXIS = "stage"
+_TENSOR_AXIS = "model"
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -35,9 +36,13 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             of regex -> axes; None replicates every variable (data parallelism);
             `"auto"` plans Megatron layouts with `tfmp.auto_layout` over the
             mesh axis `"model"` when the model first trains or predicts.
-        batch_axis: The mesh axis that splits the batch. If the mesh has no axis
-            of the default name `"batch"`, batches are not split (no data
-            parallelism); any other name must be a mesh axis. None: not split.
+        batch_axis: The mesh axis that splits the batch. By default `"batch"`;
+            a mesh without a `"batch"` axis whose axes are all `"model"` and
+            `"stage"` (or of size 1) then gives every device the whole batch,
+            and any other axis is an error that asks for `batch_axis=`: an axis
+            that neither splits the batch nor appears in a rule would leave its
+            devices computing copies. Any other name must be a mesh axis.
+            None: batches are not split.
         num_microbatches: For a pipeline (a mesh with a `"stage"` axis and a
             model of `tfmp.layers.LayerGroup`s), how many micro-batches each
             batch is split into as it flows through the stages.
@@ -85,10 +90,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         _check_pipeline_arguments(stage_meshes, num_microbatches, schedule)
         self.num_microbatches = num_microbatches
         self.schedule = schedule
-        if batch_axis is not None and batch_axis not in mesh.axis_names:
-            if batch_axis != _DEFAULT_BATCH_AXIS:
-                mesh.check_axis(batch_axis, what="batch_axis")
-            batch_axis = None
+        batch_axis = _resolve_batch_axis(mesh, batch_axis)
         if fully_shard and batch_axis is None:
             raise ValueError(
                 f"fully_shard=True shards weights over the batch axis, but this "
@@ -126,8 +128,9 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         with tfmp. A `keras.distribution.ModelParallel` gives its device mesh,
         layout map and batch dimension name; a `keras.distribution.DataParallel`
         gives its device mesh and batch dimension name (its first mesh axis),
-        with every variable replicated. The rules of a Keras `LayoutMap` are
-        used as tfmp rules (searched in variable paths with `re.search`).
+        with every variable replicated. The rules of a Keras `LayoutMap` match
+        variable paths as the installed Keras matches them (tfmp asks its
+        `LayoutMap`'s own lookup; Keras 3.15 matches the whole path).
 
         Args:
             distribution: A `keras.distribution.ModelParallel` or
@@ -202,6 +205,29 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             f"ModelParallelStrategy({self.mesh!r}, layout_map with "
             f"{len(self.layout_map)} rules, batch_axis={self.batch_axis!r})"
         )
+
+
+def _resolve_batch_axis(mesh: DeviceMesh, batch_axis: str | None) -> str | None:
+    """The mesh axis that splits batches, or None; refuses a default that would
+    leave an axis of the mesh computing copies of the same batch."""
+    if batch_axis is None or batch_axis in mesh.axis_names:
+        return batch_axis
+    if batch_axis != _DEFAULT_BATCH_AXIS:
+        mesh.check_axis(batch_axis, what="batch_axis")
+    idle = [
+        name
+        for name in mesh.axis_names
+        if name not in (_TENSOR_AXIS, _STAGE_AXIS) and mesh.axis_size(name) > 1
+    ]
+    if idle:
+        raise ValueError(
+            f"The mesh has axes {mesh.axis_names} and no {_DEFAULT_BATCH_AXIS!r} "
+            f"axis, so batch_axis (default {_DEFAULT_BATCH_AXIS!r}) splits no batch "
+            f"and the devices along {idle} would each compute the whole batch. Pass "
+            f"batch_axis={idle[0]!r} to split batches over it (data parallelism), or "
+            "batch_axis=None if your layout rules split weights over it."
+        )
+    return None
 
 
 def _check_pipeline_arguments(
