@@ -3,10 +3,11 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import build_layers_lm, initial_weights, lm_data, mesh
+from helpers import assert_parity, build_layers_lm, initial_weights, lm_data, mesh, rules
 
 SHARDED = tfmp.layers
 
@@ -111,3 +112,25 @@ def test_shards_on_each_device_match_the_summary():
     for variable in model.variables:
         shards = dtensor.unpack(variable.value.read_value())
         assert {tuple(s.shape) for s in shards} == {rows[variable.path].shard_shape}
+
+
+def test_vocab_parallel_embedding_keeps_lora_and_keras_ids():
+    def build():
+        tokens = keras.Input((6,), dtype="int32")
+        embed = SHARDED.VocabParallelEmbedding(64, 8, name="embed")
+        pooled = keras.layers.GlobalAveragePooling1D()(embed(tokens))
+        model = keras.Model(tokens, keras.layers.Dense(4, name="head")(pooled))
+        embed.enable_lora(2)
+        return model
+
+    rng = np.random.default_rng(0)
+    # A negative id counts from the end of the vocabulary, as in Keras.
+    tokens = rng.integers(-64, 64, size=(48, 6)).astype("int32")
+    targets = rng.normal(size=(48, 4)).astype("float32")
+    model = assert_parity(build, rules({}), tokens, targets)
+    embed = model.get_layer("embed")
+    assert embed.lora_embeddings_a.value.layout.sharding_specs == ["model", "unsharded"]
+    assert not embed._embeddings.trainable
+    past_the_vocabulary = np.full((8, 6), 64, dtype="int32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
+        model.predict(past_the_vocabulary, verbose=0)

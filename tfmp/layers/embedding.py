@@ -10,7 +10,7 @@ from tensorflow.experimental import dtensor
 
 from tfmp.layers.declaring import BACKWARD_SCOPE, DeclaresLayouts
 from tfmp.layers.mesh_context import batch_spec
-from tfmp.layout import Axes
+from tfmp.layout import Axes, declared_layouts
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
@@ -41,13 +41,20 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
         super().__init__(input_dim, output_dim, axis=axis, **kwargs)
 
     def weight_layouts(self) -> dict[str, Axes]:
-        return {"embeddings": (self.axis, None)}
+        # LoRA's first factor has a row per id, like the table.
+        return {"embeddings": (self.axis, None), "lora_embeddings_a": (self.axis, None)}
+
+    def enable_lora(self, *args: Any, **kwargs: Any) -> None:
+        """Keras' `Embedding.enable_lora`, with the LoRA rows split like the table."""
+        with declared_layouts(self.name, self.weight_layouts()):
+            super().enable_lora(*args, **kwargs)
 
     def call(self, inputs: Any) -> Any:
-        layout = getattr(self.embeddings.value, "layout", None)
+        # `self.embeddings` is the table plus LoRA's product once LoRA is on.
+        layout = getattr(self._embeddings.value, "layout", None)
         if layout is None or self.axis not in layout.sharding_specs:
             return super().call(inputs)
-        ids = tf.cast(inputs, "int32")
+        ids = self._checked_ids(inputs)
         # Split the one-hot rows like the table, so that each device reads only
         # its rows and one all-reduce of the output combines them.
         rank = ids.shape.rank + 1
@@ -75,4 +82,12 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
             return tf.einsum(f"{dims}v,vz->{dims}z", one_hot, table), grad
 
         return lookup(table)
+
+    def _checked_ids(self, inputs: Any) -> tf.Tensor:
+        """`inputs` as Keras' Embedding reads them: a negative id counts from the
+        end of the vocabulary, and an id past it fails as `tf.gather` fails on
+        the device (an error on CPU) rather than matching no row of the one-hot."""
+        ids = tf.cast(inputs, "int32")
+        ids = tf.where(ids < 0, ids + self.input_dim, ids)
+        return tf.gather(tf.range(self.input_dim), ids)
 
