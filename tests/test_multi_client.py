@@ -1,5 +1,6 @@
 """Several DTensor clients on loopback, against one process; bad settings."""
 
+import functools
 import json
 import os
 import subprocess
@@ -31,26 +32,35 @@ def test_two_clients_train_like_one_process(tmp_path, input_mode):
     assert finished.returncode == 0, finished.stdout[-3000:]
     assert "[client 1] client 1 of 2: local devices" in finished.stdout
     assert "task:1/device:CPU:3" in finished.stdout
+    x, y = mlp_data(64)
+    device_mesh = mesh((2, 4))
+    same = np.testing.assert_array_equal
     if input_mode == "per_client":
         assert "[client 1] client 1 read 32 rows" in finished.stdout
-    device_mesh = mesh((2, 4))
+        # The clients interleave along a 4x2 mesh's batch axis: positions 0..3
+        # hold client 0's first 4 rows, client 1's first 4, client 0's next 4, ...
+        device_mesh = mesh((4, 2))
+        order = np.concatenate([np.arange(0, 4), np.arange(8, 12), np.arange(4, 8), np.arange(12, 16)])
+        x, y = (a.reshape(-1, 16, a.shape[-1])[:, order].reshape(a.shape) for a in (x, y))
+        # Two clients' all-reduce of the 4x2 layout adds in another order than one process'.
+        same = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
     model = build_on(tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh)), "mlp", initial_weights(build_mlp))
-    losses, history = train(model, *mlp_data(64))
+    losses, history = train(model, x, y)
     with open(tmp_path / "result.json") as result:
         got = json.load(result)
-    np.testing.assert_array_equal(got["losses"], losses)
+    same(got["losses"], losses)
     for key, values in history.history.items():
-        np.testing.assert_array_equal(got["history"][key], values)
+        same(got["history"][key], values)
     saved = np.load(tmp_path / "weights.npz")
     for i, weight in enumerate(model.get_weights()):
-        np.testing.assert_array_equal(saved[f"arr_{i}"], weight)
+        same(saved[f"arr_{i}"], weight)
     # One file, written by client 0 from the values both clients gathered.
     assert sorted(os.listdir(tmp_path)) == ["model.keras", "result.json", "weights.npz"]
     import keras
 
     loaded = keras.models.load_model(tmp_path / "model.keras")
     for want, got_weight in zip(model.get_weights(), loaded.get_weights()):
-        np.testing.assert_array_equal(got_weight, want)
+        same(got_weight, want)
 
 
 def start_client(env_extra, timeout_s):
@@ -183,6 +193,26 @@ def test_input_function_in_one_process_reads_whole_batches():
     reference = build_on(strategy, "mlp", initial_weights(build_mlp))
     losses, _ = train(reference, x, y)
     np.testing.assert_allclose(recorder.losses, losses, rtol=1e-6)
+
+
+def test_input_pipelines_follow_the_clients_positions_along_the_batch_axis():
+    from tfmp.strategy.placement import input_pipelines
+
+    def positions(devices, shape):
+        return tfmp.DeviceMesh(shape, ("batch", "model"), devices).client_positions("batch")
+
+    def task(client, index):
+        return f"/job:worker/replica:0/task:{client}/device:CPU:{index}"
+
+    by_rows = [task(c, i) for c in (0, 1) for i in range(4)]
+    assert positions(by_rows, (2, 4)) == {0: (0,), 1: (1,)}
+    interleaved = [task(c, 2 * half + i) for half in (0, 1) for c in (0, 1) for i in range(2)]
+    assert positions(interleaved, (4, 2)) == {0: (0, 2), 1: (1, 3)}
+    assert [input_pipelines({0: (0, 2), 1: (1, 3)}, c, "batch") for c in (0, 1)] == [(2, 0), (2, 1)]
+    # Clients split along "model" hold the same batch positions: they read the same rows.
+    assert input_pipelines({0: (0, 1), 1: (0, 1)}, 1, "batch") == (1, 0)
+    with pytest.raises(ValueError, match=r"positions \[0, 1\] and another's \[1, 2\]"):
+        input_pipelines({0: (0, 1), 1: (1, 2)}, 0, "batch")
 
 
 def test_reading_a_batch_inside_a_function_is_an_error():

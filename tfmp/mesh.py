@@ -96,6 +96,16 @@ class DeviceMesh:
         self.check_axis(axis_name)
         return self._shape[self._axis_names.index(axis_name)]
 
+    def client_positions(self, axis_name: str) -> dict[int, tuple[int, ...]]:
+        """The positions along `axis_name` that each client's devices hold
+        (a client is the task of a device's name; 0 when the name has none)."""
+        axis = self._axis_names.index(axis_name)
+        positions: dict[int, set[int]] = {}
+        for index, device in np.ndenumerate(self._devices):
+            client = tf.DeviceSpec.from_string(device).task or 0
+            positions.setdefault(client, set()).add(index[axis])
+        return {client: tuple(sorted(held)) for client, held in positions.items()}
+
     def check_axis(self, axis_name: str, what: str = "axis") -> None:
         """Raises a ValueError naming `axis_name` if the mesh has no such axis."""
         if axis_name not in self._axis_names:

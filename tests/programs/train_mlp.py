@@ -3,7 +3,9 @@
 Usage: train_mlp.py OUT_DIR [per_client]. Trains the test MLP on a 2x4 mesh
 spanning every client, saves the model, and (client 0) writes the losses and
 weights. With `per_client`, each client's dataset holds only its own rows of
-every batch (`strategy.distribute_datasets_from_function`).
+every batch (`strategy.distribute_datasets_from_function`), on a 4x2 mesh whose
+device order interleaves the clients along the batch axis (client 0 holds
+batch positions 0 and 2).
 """
 
 import json
@@ -22,7 +24,13 @@ from helpers import BatchLosses, build_mlp, build_on, initial_weights, mesh, mlp
 
 BATCH = 16
 out = sys.argv[1]
-device_mesh = mesh((2, 4))
+per_client = sys.argv[2:] == ["per_client"]
+if per_client:
+    first, second = np.split(np.array(tfmp.list_devices()), 2)
+    interleaved = np.stack([first.reshape(2, 2), second.reshape(2, 2)], axis=1).reshape(-1)
+    device_mesh = tfmp.DeviceMesh((4, 2), ("batch", "model"), list(interleaved))
+else:
+    device_mesh = mesh((2, 4))
 strategy = tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
 model = build_on(strategy, "mlp", initial_weights(build_mlp))
 x, y = mlp_data(64)
@@ -36,7 +44,7 @@ def this_clients_rows(context: tf.distribute.InputContext) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices(tuple(mine)).batch(rows)
 
 
-if sys.argv[2:] == ["per_client"]:
+if per_client:
     recorder = BatchLosses()
     history = model.fit(strategy.distribute_datasets_from_function(this_clients_rows), verbose=0, callbacks=[recorder])
     losses = recorder.losses

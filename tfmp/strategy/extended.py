@@ -15,7 +15,7 @@ from tfmp.layout import LayoutMap, axes_to_layout, declared_layout
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
-from tfmp.strategy.placement import BatchPlacer, replicate, to_layout
+from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
 from tfmp.strategy.stages import StageMeshes, current_stage, stage_scalars
 from tfmp.strategy.variable import MeshVariable
@@ -284,12 +284,23 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         del options
         self.warn_unmatched_layout_rules()
         _install_host_fed_loops()
-        pipelines, pipeline_id = self.placer.input_pipelines()
+        pipelines, pipeline_id = self._input_pipelines()
         context = tf.distribute.InputContext(
             num_input_pipelines=pipelines, input_pipeline_id=pipeline_id, num_replicas_in_sync=1
         )
         return ClientMeshDataset(
             dataset_fn(context), self.placer, self.first_step_graphs, local_rows=pipelines > 1
+        )
+
+    def _input_pipelines(self) -> tuple[int, int]:
+        """How many parts the clients read of a batch, and this client's part."""
+        if self.placer.batch_axis is None:
+            return 1, 0
+        input_mesh = self.stage_meshes.meshes[0] if self.stage_meshes else self.mesh
+        return input_pipelines(
+            input_mesh.client_positions(self.placer.batch_axis),
+            dtensor.client_id(),
+            self.placer.batch_axis,
         )
 
     def _experimental_distribute_values_from_function(self, value_fn):

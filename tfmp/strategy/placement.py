@@ -135,13 +135,11 @@ class BatchPlacer:
             batch[1:], is_last_batch, targets=True, local_rows=local_rows
         )
 
-    def input_pipelines(self) -> tuple[int, int]:
-        """How many clients' parts a batch has, and which is this client's:
-        the clients split the batch where the batch axis separates them."""
-        if not self.batch_axis:
-            return 1, 0
-        positions = sorted({loc[self.batch_axis] for loc in self.input_mesh.local_device_locations()})
-        return self.batch_parts // len(positions), positions[0] // len(positions)
+    def local_parts(self) -> int:
+        """How many clients' parts (distinct position sets) a batch has."""
+        return self.batch_parts // len(
+            {location[self.batch_axis] for location in self.input_mesh.local_device_locations()}
+        )
 
     def place_tensor(
         self,
@@ -155,7 +153,7 @@ class BatchPlacer:
         value = tf.convert_to_tensor(value)
         shape = value.shape
         if local_rows and shape.rank:
-            parts = self.input_pipelines()[0]
+            parts = self.local_parts()
             if parts > 1 and shape[0] % (self.batch_parts // parts):
                 raise ValueError(
                     f"This client's part of a batch has {shape[0]} rows, which do not "
@@ -189,6 +187,41 @@ class BatchPlacer:
                 )
             return dtensor.Layout.replicated(mesh, rank)
         return dtensor.Layout.batch_sharded(mesh, self.batch_axis, rank)
+
+
+def input_pipelines(
+    client_positions: dict[int, tuple[int, ...]], client: int, batch_axis: str
+) -> tuple[int, int]:
+    """How many parts a batch has when each client reads its own rows, and
+    which part is `client`'s.
+
+    Clients that hold the same positions along the batch axis read the same
+    rows; each other set of positions is its own part, in the order of its
+    first position (the device order may interleave clients).
+
+    Args:
+        client_positions: Each client's positions along the batch axis.
+        client: This client.
+        batch_axis: The batch axis' name, for errors.
+
+    Raises:
+        ValueError: If two clients hold some positions in common but not all,
+            or different numbers of positions: no split of the batch's rows
+            gives every client whole parts.
+    """
+    parts = sorted(set(client_positions.values()))
+    for first, second in zip(parts, parts[1:]):
+        if set(first) & set(second) or len(first) != len(second):
+            raise ValueError(
+                f"Along the batch axis {batch_axis!r}, one client's devices hold "
+                f"positions {list(first)} and another's {list(second)}: each client's "
+                "rows of a batch must go to positions that other clients hold all of "
+                "or none of, equally many per client. Order the mesh's devices so "
+                "that each client holds whole positions of the batch axis (e.g. "
+                "client by client along it), or feed whole batches with "
+                "strategy.experimental_distribute_dataset."
+            )
+    return len(parts), parts.index(client_positions[client])
 
 
 def _is_array(value: Any) -> bool:
