@@ -5,6 +5,7 @@ import functools
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmp
 from helpers import assert_weights_close, build_layers_lm, compile_lm, compile_mlp, lm_data, train
@@ -216,6 +217,12 @@ def test_bad_pipelines_give_clear_errors():
             [keras.Input((16,)), tfmp.layers.LayerGroup([keras.layers.Dense(8)], stage=0),
              keras.layers.Dense(8, name="loose")]))
         model = compile_mlp(build_pipeline_mlp(2))
+        noisy = compile_mlp(keras.Sequential(
+            [keras.Input((16,)), tfmp.layers.LayerGroup([keras.layers.Dense(8), keras.layers.Dropout(0.5)], stage=0),
+             tfmp.layers.LayerGroup([keras.layers.Dense(8)], stage=1)]))
+    # A mask of shape (1, 8) could be one sample's or shared by the batch.
+    with pytest.raises(ValueError, match="micro-batches of 1 rows, and tfmp cannot tell"):
+        noisy.fit(x[:4], y[:4], batch_size=4, verbose=0)
     with pytest.raises(ValueError, match=r"stages \[0\], but the mesh has 2 stages"):
         one_stage.fit(x, y, batch_size=8, verbose=0)
     with pytest.raises(ValueError, match=r"layers \['loose'\] are in no"):
@@ -226,3 +233,157 @@ def test_bad_pipelines_give_clear_errors():
         model.compile(optimizer="adam", loss="mse", run_eagerly=True)
     with pytest.raises(ValueError, match="without run_eagerly=True"):
         model.fit(x, y, batch_size=8, verbose=0)
+
+
+# Random layers, masked losses and batches of unknown size: each micro-batch
+# must compute its part of what one device computes for the whole batch.
+
+
+def build_noisy_pipeline() -> keras.Model:
+    """Random layers in both stages: draws with one row per sample (Dropout,
+    SpatialDropout1D's (batch, 1, channels) mask, GaussianNoise) and one draw
+    shared by the batch (a noise shape of 1). Each gets a seed of its own, so
+    that both runs start their SeedGenerators alike."""
+    first = [keras.layers.Dense(32, activation="relu", name="up"),
+             keras.layers.Dropout(0.3, seed=1), keras.layers.SpatialDropout1D(0.3, seed=2)]
+    second = [keras.layers.GaussianNoise(0.2, seed=3),
+              keras.layers.Dropout(0.3, noise_shape=(1, None, 32), seed=4),
+              keras.layers.Dense(8, name="down")]
+    return keras.Sequential(
+        [keras.Input((3, 16)), tfmp.layers.LayerGroup(first, stage=0, name="stage_0"),
+         tfmp.layers.LayerGroup(second, stage=1, name="stage_1")],
+        name="noisy_pipeline",
+    )
+
+
+def noisy_data(n=STEPS * BATCH):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 3, 16)).astype("float32")
+    y = rng.normal(size=(n, 3, 8)).astype("float32")
+    return x, y, rng.uniform(0.1, 2.0, size=(n, 1)).astype("float32")  # unequal sample weights
+
+
+def build_masked_pipeline() -> keras.Model:
+    """An Embedding(mask_zero=True) in stage 0 whose mask reaches the loss in stage 1."""
+    first = [keras.layers.Embedding(20, 8, mask_zero=True, name="embed"),
+             keras.layers.Dense(16, activation="relu", name="up")]
+    return keras.Sequential(
+        [keras.Input((6,), dtype="int32"), tfmp.layers.LayerGroup(first, stage=0, name="stage_0"),
+         tfmp.layers.LayerGroup([keras.layers.Dense(5, name="down")], stage=1, name="stage_1")],
+        name="masked_pipeline",
+    )
+
+
+def masked_data(n=STEPS * BATCH):
+    """Padded token sequences of random lengths (0 to 6), so micro-batches
+    hold different numbers of unmasked tokens, and unequal per-token weights."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 20, size=(n, 6)).astype("int32")
+    lengths = rng.integers(0, 7, size=n)
+    tokens[np.arange(6)[None, :] >= lengths[:, None]] = 0
+    labels = rng.integers(0, 5, size=(n, 6)).astype("int32")
+    return tokens, labels, rng.uniform(0.1, 2.0, size=(n, 6)).astype("float32")
+
+
+def compile_adam(model, loss):
+    metric = "mae" if loss == "mse" else "accuracy"
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=[metric])
+    return model
+
+
+TOKEN_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+MICROBATCH_CASES = {
+    "noisy": (build_noisy_pipeline, "mse", noisy_data),
+    "masked": (build_masked_pipeline, TOKEN_LOSS, masked_data),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def microbatch_reference(case: str):
+    """Initial weights, the single-device run of a case, and its seed states."""
+    build, loss, data = MICROBATCH_CASES[case]
+    keras.utils.set_random_seed(7)
+    model = compile_adam(build(), loss)
+    weights = model.get_weights()
+    x, y, sample_weight = data()
+    losses, history = train(model, x, y, batch_size=BATCH, sample_weight=sample_weight)
+    predictions = model.predict(x, verbose=0)
+    return weights, losses, history.history, model.get_weights(), predictions, seed_states(model)
+
+
+def seed_states(model):
+    layers = [layer for group in model.layers for layer in group.group_layers]
+    return [keras.ops.convert_to_numpy(layer.seed_generator.state.value)
+            for layer in layers if hasattr(layer, "seed_generator")]
+
+
+def assert_trains_like_one_device(case, mesh_shape, num_microbatches, schedule):
+    weights, losses, history, final_weights, predictions, states = microbatch_reference(case)
+    build, loss, data = MICROBATCH_CASES[case]
+    strategy = tfmp.ModelParallelStrategy(
+        tfmp.DeviceMesh(mesh_shape, ("stage", "batch", "model")), {"up/kernel": (None, "model")},
+        num_microbatches=num_microbatches, schedule=schedule,
+    )
+    with strategy.scope():
+        model = build()
+        model.set_weights(weights)
+        compile_adam(model, loss)
+    x, y, sample_weight = data()
+    got_losses, got_history = train(model, x, y, batch_size=BATCH, sample_weight=sample_weight)
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-5)
+    for key, values in history.items():
+        np.testing.assert_allclose(got_history.history[key], values, rtol=1e-5)
+    assert_weights_close(final_weights, model.get_weights())
+    np.testing.assert_allclose(model.predict(x, verbose=0), predictions, rtol=1e-5, atol=1e-5)
+    # Each SeedGenerator advanced once per step, as on one device.
+    for want, got in zip(states, seed_states(model), strict=True):
+        np.testing.assert_array_equal(got, want)
+    return model
+
+
+@pytest.mark.parametrize("num_microbatches,schedule", [(2, "gpipe"), (4, "1f1b")])
+def test_random_layers_draw_like_one_device(num_microbatches, schedule):
+    assert_trains_like_one_device("noisy", (2, 1, 4), num_microbatches, schedule)
+
+
+@pytest.mark.parametrize(
+    "num_microbatches,schedule,mesh_shape", [(2, "gpipe", (2, 1, 4)), (4, "1f1b", (2, 2, 2))]
+)
+def test_masked_loss_matches_one_device(num_microbatches, schedule, mesh_shape):
+    tokens = masked_data()[0][:BATCH]
+    unmasked = (tokens != 0).reshape(num_microbatches, -1).sum(axis=1)
+    assert len(set(unmasked)) > 1, unmasked  # micro-batches weigh differently
+    model = assert_trains_like_one_device("masked", mesh_shape, num_microbatches, schedule)
+    if num_microbatches == 2:
+        # evaluate runs whole batches through the stages: the mask crosses them too.
+        x, y, _ = masked_data()
+        reference = compile_adam(build_masked_pipeline(), TOKEN_LOSS)
+        reference.set_weights(model.get_weights())
+        expected = reference.evaluate(x, y, verbose=0)
+        np.testing.assert_allclose(model.evaluate(x, y, verbose=0), expected, rtol=1e-5)
+
+
+def test_batch_of_unknown_size_splits_at_run_time():
+    # 40 samples in batches of 16: Keras traces the step again for the last
+    # batch of 8, with the batch dimension unknown (None), and random layers
+    # draw for a batch of unknown size.
+    weights = microbatch_reference("noisy")[0]
+    x, y, _ = noisy_data(40)
+    reference = compile_adam(build_noisy_pipeline(), "mse")
+    reference.set_weights(weights)
+    strategy = tfmp.ModelParallelStrategy(
+        tfmp.DeviceMesh((2, 1, 4), ("stage", "batch", "model")), num_microbatches=2, schedule="1f1b")
+    with strategy.scope():
+        model = compile_adam(build_noisy_pipeline(), "mse")
+        model.set_weights(weights)
+    losses, _ = train(reference, x, y, batch_size=BATCH)
+    got_losses, _ = train(model, x, y, batch_size=BATCH)
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-5)
+    assert_weights_close(reference.get_weights(), model.get_weights())
+    # A batch of 9 does not split into 2 equal micro-batches: the step fails
+    # before it changes anything. (DTensor may report another device's
+    # CancelledError instead of the check's InvalidArgumentError.)
+    before = model.get_weights()
+    with pytest.raises((tf.errors.InvalidArgumentError, tf.errors.CancelledError)):
+        train(model, x[:9], y[:9], batch_size=9)
+    assert_weights_close(before, model.get_weights(), rtol=0, atol=0)

@@ -11,14 +11,18 @@ gradient back to the stored layout, is fully sharded data parallelism
 
 While a layer's forward pass is traced on a mesh, `forward_mesh()` names that
 mesh: tfmp's lowerings of ops DTensor cannot expand (`tfmp.lowering`) use it
-to decide whether to run, and where.
+to decide whether to run, and where. While a pipeline traces one stage's
+forward pass of one micro-batch, `microbatched_step()` says which micro-batch
+of how many: random draws use it to draw what one device draws for the whole
+batch.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -47,6 +51,58 @@ def forward_mesh() -> dtensor.Mesh | None:
     if tf.executing_eagerly():
         return None
     return getattr(_forward, "mesh", None)
+
+
+class MicrobatchedStep:
+    """A pipeline training step being traced, whose layers run once per micro-batch.
+
+    On one device each random layer draws once per step, with the next seed
+    of its `SeedGenerator`, for the whole batch. In a pipeline it runs once
+    per micro-batch; the step keeps what makes those runs draw alike: the
+    seeds drawn so far (the first micro-batch to draw advances the generator,
+    the others reuse its seed), and which micro-batch is being traced.
+
+    Args:
+        count: Micro-batches per step.
+        rows: Samples per micro-batch, or None where unknown until the step runs.
+    """
+
+    def __init__(self, count: int, rows: int | None):
+        self.count = count
+        self.rows = rows
+        self.index: int | None = None  # of the micro-batch being traced
+        self._seeds: dict[tuple[Any, int], Any] = {}
+        # Seeds taken from each generator so far in the pass being traced:
+        # a layer may draw several times per call.
+        self._draws: collections.Counter = collections.Counter()
+
+    @contextlib.contextmanager
+    def microbatch(self, index: int) -> Iterator[None]:
+        """One stage's forward pass of micro-batch `index` is traced in the block."""
+        previous = getattr(_forward, "step", None)
+        _forward.step, self.index = self, index
+        self._draws.clear()
+        try:
+            yield
+        finally:
+            _forward.step, self.index = previous, None
+
+    def seed(self, generator: Any, draw: Callable[[], Any]) -> Any:
+        """The step's seed for `generator`'s next draw in this pass: `draw()`
+        (which advances the generator) for the first micro-batch to ask, the
+        same seed for the others."""
+        key = (generator, self._draws[generator])
+        self._draws[generator] += 1
+        if key not in self._seeds:
+            self._seeds[key] = draw()
+        return self._seeds[key]
+
+
+def microbatched_step() -> MicrobatchedStep | None:
+    """The pipeline step whose micro-batch is being traced, or None."""
+    if tf.executing_eagerly():
+        return None
+    return getattr(_forward, "step", None)
 
 
 def compute_layout(layout: dtensor.Layout, gathered_axes: tuple[str, ...]) -> dtensor.Layout:

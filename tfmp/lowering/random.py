@@ -10,9 +10,22 @@ replicated on every device, and DTensor slices the draw to its consumer's
 layout locally. The draws are bitwise one device's, so a model with random
 layers trains as closely to one device as one without them.
 
+In a pipeline a layer runs once per micro-batch. There each draw takes the
+seed one device takes for the whole step (a `SeedGenerator` advances once
+per step: the first micro-batch to draw advances it, the others reuse that
+seed), draws the whole batch's shape (the batch dimension times the number of
+micro-batches) and keeps the micro-batch's rows. Keras puts the batch first:
+a draw whose first dimension is the micro-batch's size has one row per
+sample; any other (a noise shape of 1, a scalar) is one draw for the whole
+batch, and is drawn as it is. A shared draw whose first dimension happens to
+equal the micro-batch's size would be misread; where tfmp cannot tell at all
+(micro-batches of 1 sample, a first dimension unknown while tracing) it
+raises an error naming the layer.
+
 Cost: each device draws the whole tensor rather than its shard, so a dropout
 mask costs every device the random numbers (and transient memory) of the
-whole activation it masks: the mesh size times the work of a split draw. The
+whole activation it masks: the mesh size times the work of a split draw (and
+in a pipeline, each micro-batch draws the whole batch's: m times more). The
 draws add no communication; a tensor parameter of a draw (a broadcast
 `minval`, say) is gathered first.
 
@@ -28,10 +41,13 @@ from __future__ import annotations
 from typing import Any, Callable, NoReturn
 
 import tensorflow as tf
+from keras.src.backend.common.name_scope import current_path
 from keras.src.backend.tensorflow import random as keras_random
+from keras.src.random.seed_generator import SeedGenerator, global_seed_generator
 from tensorflow.experimental import dtensor
+from tensorflow.python.framework import tensor_util
 
-from tfmp.forward import forward_mesh
+from tfmp.forward import MicrobatchedStep, forward_mesh, microbatched_step
 from tfmp.lowering.registry import Lowering, keras_original
 
 
@@ -52,34 +68,28 @@ def normal(
     shape: Any, mean: Any = 0.0, stddev: Any = 1.0, dtype: Any = None, seed: Any = None
 ) -> tf.Tensor:
     """Keras' `random.normal`, drawn whole on every device."""
-    return _replicated(_keras("normal")(shape, _replicated(mean), _replicated(stddev), dtype, seed))
+    return _draw("normal", shape, mean, stddev, dtype, seed)
 
 
 def uniform(
     shape: Any, minval: Any = 0.0, maxval: Any = 1.0, dtype: Any = None, seed: Any = None
 ) -> tf.Tensor:
     """Keras' `random.uniform`, drawn whole on every device."""
-    return _replicated(
-        _keras("uniform")(shape, _replicated(minval), _replicated(maxval), dtype, seed)
-    )
+    return _draw("uniform", shape, minval, maxval, dtype, seed)
 
 
 def truncated_normal(
     shape: Any, mean: Any = 0.0, stddev: Any = 1.0, dtype: Any = None, seed: Any = None
 ) -> tf.Tensor:
     """Keras' `random.truncated_normal`, drawn whole on every device."""
-    return _replicated(
-        _keras("truncated_normal")(shape, _replicated(mean), _replicated(stddev), dtype, seed)
-    )
+    return _draw("truncated_normal", shape, mean, stddev, dtype, seed)
 
 
 def randint(
     shape: Any, minval: Any, maxval: Any, dtype: Any = "int32", seed: Any = None
 ) -> tf.Tensor:
     """Keras' `random.randint`, drawn whole on every device."""
-    return _replicated(
-        _keras("randint")(shape, _replicated(minval), _replicated(maxval), dtype, seed)
-    )
+    return _draw("randint", shape, minval, maxval, dtype, seed)
 
 
 def dropout(inputs: Any, rate: float, noise_shape: Any = None, seed: Any = None) -> tf.Tensor:
@@ -88,16 +98,114 @@ def dropout(inputs: Any, rate: float, noise_shape: Any = None, seed: Any = None)
     if rate in (0.0, 1.0):
         return _keras("dropout")(inputs, rate, noise_shape, seed)
     # Keras' own steps, in its order: the seed is drawn before the shape.
-    seed = keras_random._cast_seed(keras_random.draw_seed(seed))  # noqa: SLF001
+    seed = keras_random._cast_seed(keras_random.draw_seed(_seed_of_step(seed)))  # noqa: SLF001
     noise_shape = keras_random._get_concrete_noise_shape(inputs, noise_shape)  # noqa: SLF001
 
     def sampler(shape: Any, dtype: tf.DType) -> tf.Tensor:
         # The sampler of `tf.nn.experimental.stateless_dropout`, which Keras calls.
-        return _replicated(tf.random.stateless_uniform(shape, seed=seed, dtype=dtype))
+        return _for_microbatch(
+            lambda whole: _replicated(tf.random.stateless_uniform(whole, seed=seed, dtype=dtype)),
+            shape,
+        )
 
     return tf.nn.experimental.general_dropout(
         inputs, rate=rate, uniform_sampler=sampler, noise_shape=noise_shape
     )
+
+
+def _draw(name: str, shape: Any, low: Any, high: Any, dtype: Any, seed: Any) -> tf.Tensor:
+    """Keras' `random.<name>(shape, low, high, dtype, seed)`, drawn whole on
+    every device (in a pipeline micro-batch: its rows of the step's draw)."""
+    seed = _seed_of_step(seed)
+    low, high = _replicated(low), _replicated(high)
+    return _for_microbatch(
+        lambda whole: _replicated(_keras(name)(whole, low, high, dtype, seed)), shape
+    )
+
+
+# Pipelines: a layer runs once per micro-batch, but must draw what one device
+# draws for the whole batch in one call.
+
+
+class _DrawnSeed(SeedGenerator):
+    """A seed drawn already, in the form Keras' draw functions take: a
+    generator whose next seed it is (and that makes no state variable)."""
+
+    def __init__(self, value: tf.Tensor):
+        self._value = value
+
+    def next(self, ordered: bool = True) -> tf.Tensor:
+        return self._value
+
+
+def _seed_of_step(seed: Any) -> Any:
+    """`seed`, or within a pipeline micro-batch the seed one device draws for
+    the whole step: a generator advances once per step, not once per micro-batch."""
+    step = microbatched_step()
+    if step is None or isinstance(seed, int):
+        return seed
+    # Keras draws from its global generator for `seed=None`.
+    generator = global_seed_generator() if seed is None else seed
+    return _DrawnSeed(step.seed(generator, lambda: keras_random.draw_seed(seed)))
+
+
+def _for_microbatch(draw: Callable[[Any], tf.Tensor], shape: Any) -> tf.Tensor:
+    """`draw(shape)`; within a pipeline micro-batch, when `shape` has one row
+    per sample, the micro-batch's rows of `draw` of the whole batch's shape."""
+    step = microbatched_step()
+    if step is None:
+        return draw(shape)
+    dims = _dims(shape)
+    if not _one_row_per_sample(dims, step, shape):
+        return draw(shape)  # one draw for the whole batch, as on one device
+    rows, rest = dims[0], dims[1:]
+    whole = draw([rows * step.count, *rest])
+    # A replicated draw: DTensor slices it locally, whatever the bounds.
+    return tf.slice(whole, [rows * step.index] + [0] * len(rest), [rows] + [-1] * len(rest))
+
+
+def _dims(shape: Any) -> list[Any]:
+    """The dimensions of a draw's `shape`: ints where known before the step
+    runs, scalar tensors where not."""
+    if tf.is_tensor(shape):  # e.g. tf.shape(inputs): as much of it as is known
+        known = tensor_util.constant_value_as_shape(shape).as_list()
+        return [shape[k] if dim is None else dim for k, dim in enumerate(known)]
+    if isinstance(shape, tf.TensorShape):
+        return shape.as_list()
+    return [_static(dim) for dim in shape]
+
+
+def _static(dim: Any) -> Any:
+    if not tf.is_tensor(dim):
+        return dim
+    value = tf.get_static_value(dim)
+    return dim if value is None else int(value)
+
+
+def _one_row_per_sample(dims: list[Any], step: MicrobatchedStep, shape: Any) -> bool:
+    """Whether a draw of `dims` in a micro-batch has one row per sample (its
+    first dimension is the batch's), rather than one draw shared by the batch
+    (a noise shape of 1, a scalar).
+
+    Keras puts the batch first; a first dimension equal to the micro-batch's
+    size is taken to be it. Where that cannot tell the two apart, a ValueError
+    names the layer."""
+    if not dims:
+        return False
+    leading = dims[0]
+    if step.rows is None:
+        # The batch's size is unknown while tracing; a size fixed in the model is not it.
+        return tf.is_tensor(leading)
+    if tf.is_tensor(leading) or (leading == step.rows == 1):
+        raise ValueError(
+            f"Layer {current_path() or '?'!r} draws random numbers of shape {shape} in "
+            f"pipeline micro-batches of {step.rows} rows, and tfmp cannot tell whether "
+            "their first dimension is the batch's (one row per sample) or one draw for "
+            "the whole batch, so it cannot draw what one device draws. Use micro-batches "
+            "of at least 2 samples (a batch size of at least 2 * num_microbatches), and "
+            "random shapes known before the step runs."
+        )
+    return leading == step.rows
 
 
 # The op each draw DTensor cannot lay out is made with.

@@ -6,8 +6,10 @@ from typing import Any, Sequence
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from tfmp.forward import forward_mesh, forward_on
+from tfmp.mesh import DeviceMesh
 from tfmp.strategy.stages import StageMeshes, building_stage, move_to_stage
 
 
@@ -99,7 +101,7 @@ class LayerGroup(keras.layers.Layer):
         already (pipeline schedules move them themselves)."""
         meshes = self._stage_meshes
         if meshes is not None and self.stage > 0 and not arrived:
-            inputs = move_to_stage(
+            inputs = move_with_masks(
                 inputs, meshes.meshes[self.stage - 1], meshes.meshes[self.stage], self._batch_axis
             )
         outputs = inputs
@@ -108,6 +110,11 @@ class LayerGroup(keras.layers.Layer):
             for layer in self.group_layers:
                 outputs = layer(outputs)
         return outputs
+
+    def compute_mask(self, inputs: Any, previous_mask: Any = None) -> None:
+        """No mask of the group's own: its layers read the input's Keras mask
+        and set their outputs' as they run (an output without one has none)."""
+        return None
 
     def compute_output_shape(self, input_shape: Any) -> Any:
         shape = input_shape
@@ -130,3 +137,20 @@ class LayerGroup(keras.layers.Layer):
         config = dict(config)
         config["layers"] = [keras.saving.deserialize_keras_object(c) for c in config["layers"]]
         return cls(**config)
+
+
+def move_with_masks(
+    value: Any, source: DeviceMesh, target: DeviceMesh, batch_axis: str | None
+) -> Any:
+    """Moves each tensor of `value` from the `source` stage's mesh to the
+    `target` one, with its Keras mask: the moved tensor is a new one, and the
+    next stage's layers (and the loss) read the mask from it."""
+
+    def move(tensor: tf.Tensor) -> tf.Tensor:
+        moved = move_to_stage(tensor, source, target, batch_axis)
+        mask = get_keras_mask(tensor)
+        if mask is not None:
+            set_keras_mask(moved, move_to_stage(mask, source, target, batch_axis))
+        return moved
+
+    return tf.nest.map_structure(move, value)

@@ -9,6 +9,12 @@ its ops run on its devices and its input's gradient is handed to the
 previous stage like an activation. Gradients of the micro-batches are summed
 as they arrive, for one optimizer update, and each micro-batch's loss is
 weighted so that the sum is the whole batch's loss.
+
+Keras masks cross stages with their activations. A loss that averages
+(`sum_over_batch_size`) over masked values divides by the unmasked count,
+which differs between micro-batches: each micro-batch's loss is weighted by
+its share of unmasked values, and the summed loss and gradients are divided
+by the batch's mean share once every micro-batch is done.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
+from tfmp.forward import MicrobatchedStep
 from tfmp.mesh import DeviceMesh
-from tfmp.pipeline.layer_group import LayerGroup
+from tfmp.pipeline.layer_group import LayerGroup, move_with_masks
 from tfmp.pipeline.schedule import Action, emission_order, stage_orders
 from tfmp.strategy.placement import replicate
 from tfmp.strategy.stages import move_to_stage, scalars_on_stages
@@ -65,8 +73,12 @@ def train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     # 1F1B's memory bound, and recomputing a stage just before its backward
     # pass, hold only if each stage keeps to its schedule.
     ordered = strategy.schedule == "1f1b" or any(group.recompute for group in groups)
-    pipeline = _Pipeline(model, groups, meshes, strategy.batch_axis, ordered)
-    microbatch_weight = _microbatch_loss_weight(model, num_microbatches)
+    averaged = _loss_reduction(model) == "mean"
+    microbatch_weight = 1.0 / num_microbatches if averaged else 1.0
+    step = None
+    if num_microbatches > 1:
+        step = MicrobatchedStep(num_microbatches, _microbatch_rows(x, num_microbatches))
+    pipeline = _Pipeline(model, groups, meshes, strategy.batch_axis, ordered, step, averaged)
     xs = _split(x, num_microbatches, meshes[0], strategy.batch_axis)
     ys = _split(y, num_microbatches, meshes[-1], strategy.batch_axis)
     weights = _split(sample_weight, num_microbatches, meshes[-1], strategy.batch_axis)
@@ -74,7 +86,7 @@ def train_step(model: keras.Model, data: Any) -> dict[str, Any]:
         orders = stage_orders(strategy.schedule, len(groups), num_microbatches)
         for action in emission_order(orders):
             pipeline.run(action, xs, ys, weights, microbatch_weight)
-        total_loss = tf.add_n(pipeline.losses)
+        total_loss = pipeline.total_loss()
         batch_size = tf.shape(tf.nest.flatten(y)[0])[0]
         model._loss_tracker.update_state(total_loss, sample_weight=batch_size)  # noqa: SLF001
         model.optimizer.apply_gradients(pipeline.summed_gradients(model.trainable_weights))
@@ -101,6 +113,8 @@ class _Pipeline:
         meshes: list[DeviceMesh],
         batch_axis: str | None,
         ordered: bool,
+        step: MicrobatchedStep | None,
+        losses_average: bool,
     ):
         self.model = model
         self.ordered = ordered
@@ -114,6 +128,13 @@ class _Pipeline:
         self.gradients: dict[int, Any] = {}  # running sums over micro-batches
         self.losses: list[tf.Tensor] = []
         self.scaled_losses: dict[int, tf.Tensor] = {}  # what each last-stage backward starts from
+        # With several micro-batches, the step whose micro-batch is being
+        # traced: random draws read it.
+        self.step = step
+        # Where the losses average over micro-batches and masks reach them:
+        # each micro-batch's share of unmasked loss values.
+        self.losses_average = losses_average
+        self.unmasked_shares: dict[int, tf.Tensor] = {}
         # With `ordered`, a scalar of each stage's latest pass: the next pass's
         # inputs are tied to it, which makes the stage run its passes in the
         # schedule's order (DTensor drops control dependencies, so the order
@@ -127,7 +148,7 @@ class _Pipeline:
             if stage == 0:
                 stage_input = xs[i]
             else:
-                stage_input = move_to_stage(
+                stage_input = move_with_masks(
                     self.outputs[stage - 1, i], self.meshes[stage - 1], self.meshes[stage], self.batch_axis
                 )
             stage_input = self._after_last_pass(stage, stage_input)
@@ -174,12 +195,19 @@ class _Pipeline:
         with tape or contextlib.nullcontext():
             if tape is not None and stage > 0:
                 tape.watch(stage_input)
-            outputs = group(stage_input, training=True, arrived=True)
+            with self.step.microbatch(i) if self.step else contextlib.nullcontext():
+                outputs = group(stage_input, training=True, arrived=True)
             loss = None
             if stage == len(self.groups) - 1:
                 loss = self.model.compute_loss(
                     x=None, y=y, y_pred=outputs, sample_weight=weight, training=True
-                ) * loss_weight
+                )
+                masks_matter = self.step is not None and self.losses_average
+                share = self._unmasked_share(outputs) if masks_matter else None
+                if share is not None:
+                    self.unmasked_shares[i] = share
+                    loss = loss * tf.cast(share, loss.dtype)
+                loss = loss * loss_weight
                 if tape is not None:
                     self.scaled_losses[i] = self.model.optimizer.scale_loss(loss)
         return outputs, loss, tape
@@ -194,7 +222,7 @@ class _Pipeline:
             self.gradients[id(variable)] = _add(self.gradients.get(id(variable)), gradient)
         if stage > 0:
             self._tokens[stage] = _element(gradients[-1], self.meshes[stage])
-            self.output_gradients[stage - 1, i] = move_to_stage(
+            self.output_gradients[stage - 1, i] = move_with_masks(
                 gradients[-1], self.meshes[stage], self.meshes[stage - 1], self.batch_axis
             )
         else:
@@ -203,8 +231,55 @@ class _Pipeline:
             values = first.values if isinstance(first, tf.IndexedSlices) else first
             self._tokens[stage] = tf.reduce_sum(values)
 
+    def _unmasked_share(self, outputs: Any) -> tf.Tensor | None:
+        """The share of a micro-batch's loss values that its output's Keras
+        mask keeps (None: no mask reaches the loss).
+
+        Keras averages a masked loss over the unmasked values only, so the
+        batch's loss weights each micro-batch's by its unmasked count.
+        """
+        outputs = tf.nest.flatten(outputs)
+        masks = [get_keras_mask(output) for output in outputs]
+        if all(mask is None for mask in masks):
+            return None
+        if len(outputs) > 1:
+            raise ValueError(
+                f"Pipeline model {self.model.name!r} has {len(outputs)} outputs and Keras "
+                "masks reach their losses: each masked loss averages over its own "
+                "unmasked count, which tfmp combines over micro-batches for a model of "
+                "one output only. Use num_microbatches=1, or losses with reduction='sum'."
+            )
+        return tf.reduce_mean(tf.cast(masks[0], tf.float32))
+
+    def _mask_correction(self) -> tf.Tensor | None:
+        """What the summed micro-batch losses are multiplied by to be the
+        batch's: 1 / the mean unmasked share (None: no mask reached the loss)."""
+        if not self.unmasked_shares:
+            return None
+        count = float(len(self.unmasked_shares))
+        return tf.math.divide_no_nan(count, tf.add_n(list(self.unmasked_shares.values())))
+
+    def total_loss(self) -> tf.Tensor:
+        """The batch's loss: the micro-batches' weighted losses, summed."""
+        total = tf.add_n(self.losses)
+        correction = self._mask_correction()
+        return total if correction is None else total * tf.cast(correction, total.dtype)
+
     def summed_gradients(self, variables: list) -> list[tuple[Any, Any]]:
-        return [(self.gradients.get(id(v)), v) for v in variables]
+        """Each variable's gradient summed over micro-batches, with the masked
+        losses' correction applied on its stage's mesh."""
+        correction = self._mask_correction()
+        if correction is None:
+            return [(self.gradients.get(id(v)), v) for v in variables]
+        last = len(self.groups) - 1
+        stage_of = {id(v): group.stage for group in self.groups for v in group.trainable_weights}
+        on_stage = [
+            move_to_stage(correction, self.meshes[last], self.meshes[stage], self.batch_axis)
+            for stage in range(last)
+        ] + [correction]
+        return [
+            (_scaled(self.gradients.get(id(v)), on_stage[stage_of[id(v)]]), v) for v in variables
+        ]
 
 
 def _element(value: tf.Tensor, mesh: DeviceMesh) -> tf.Tensor:
@@ -223,7 +298,21 @@ def _tied(value: Any, token: tf.Tensor) -> Any:
     if not isinstance(value, tf.Tensor) or not (value.dtype.is_floating or value.dtype.is_integer):
         return value
     zero = tf.where(tf.math.is_finite(token), token, tf.zeros_like(token)) * 0.0
-    return value + tf.cast(zero, value.dtype)
+    tied = value + tf.cast(zero, value.dtype)
+    mask = get_keras_mask(value)
+    if mask is not None:  # the stage's layers read it
+        set_keras_mask(tied, mask)
+    return tied
+
+
+def _scaled(gradient: Any, factor: tf.Tensor) -> Any:
+    """`gradient` times the scalar `factor`; a sparse gradient stays sparse."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
 
 
 def _add(total: Any, gradient: Any) -> Any:
@@ -246,52 +335,88 @@ def _split(value: Any, num_microbatches: int, mesh: DeviceMesh, batch_axis: str 
     the batch axis of `mesh` again."""
     if value is None:
         return [None] * num_microbatches
-    parts_per_tensor = []
-    for tensor in tf.nest.flatten(value):
-        size = tensor.shape[0]
-        if size is not None and size % num_microbatches:
-            raise ValueError(
-                f"A batch of {size} samples does not split into num_microbatches="
-                f"{num_microbatches} equal micro-batches. Use a batch size that is a "
-                f"multiple of {num_microbatches}, and a data set whose size divides "
-                "by it (or drop_remainder=True in tf.data)."
-            )
-        # DTensor cannot split along a sharded dimension: gather the (small)
-        # input batch first; each micro-batch is split over the batch axis again.
-        whole = replicate(tensor, mesh.dtensor_mesh)
-        step = size // num_microbatches
-        rank = tensor.shape.rank
-        pieces = [
-            replicate(whole[i * step : (i + 1) * step], mesh.dtensor_mesh)
-            for i in range(num_microbatches)
-        ]
-        parts = mesh.axis_size(batch_axis) if batch_axis in mesh.axis_names else 1
-        if parts > 1 and size is not None and (size // num_microbatches) % parts == 0:
-            layout = dtensor.Layout.batch_sharded(mesh.dtensor_mesh, batch_axis, rank)
-        else:
-            layout = dtensor.Layout.replicated(mesh.dtensor_mesh, rank)
-        parts_per_tensor.append([dtensor.relayout(p, layout) for p in pieces])
+    parts_per_tensor = [
+        _split_tensor(tensor, num_microbatches, mesh, batch_axis)
+        for tensor in tf.nest.flatten(value)
+    ]
     return [
         tf.nest.pack_sequence_as(value, [parts[i] for parts in parts_per_tensor])
         for i in range(num_microbatches)
     ]
 
 
-def _microbatch_loss_weight(model: keras.Model, num_microbatches: int) -> float:
-    """What each micro-batch's loss counts for in the batch's loss."""
+def _split_tensor(
+    tensor: tf.Tensor, num_microbatches: int, mesh: DeviceMesh, batch_axis: str | None
+) -> list[tf.Tensor]:
+    """`tensor`'s batch cut into `num_microbatches` equal parts on `mesh`."""
+    # DTensor cannot split along a sharded dimension: gather the (small)
+    # input batch first; each micro-batch is split over the batch axis again.
+    whole = replicate(tensor, mesh.dtensor_mesh)
+    size = whole.shape[0]
+    if size is None:  # known only as the step runs: checked then
+        size = tf.shape(whole)[0]
+        whole = _tied(whole, _divisible_check(size, num_microbatches))
+    elif size % num_microbatches:
+        raise ValueError(_indivisible(size, num_microbatches))
+    rows = size // num_microbatches
+    rank = tensor.shape.rank
+    parts = mesh.axis_size(batch_axis) if batch_axis in mesh.axis_names else 1
+    if parts > 1 and isinstance(rows, int) and rows % parts == 0:
+        layout = dtensor.Layout.batch_sharded(mesh.dtensor_mesh, batch_axis, rank)
+    else:
+        layout = dtensor.Layout.replicated(mesh.dtensor_mesh, rank)
+    return [
+        dtensor.relayout(replicate(whole[i * rows : (i + 1) * rows], mesh.dtensor_mesh), layout)
+        for i in range(num_microbatches)
+    ]
+
+
+def _divisible_check(size: tf.Tensor, num_microbatches: int) -> tf.Tensor:
+    """A zero that fails the step, with the ValueError's message, unless the
+    batch's `size` divides by `num_microbatches`.
+
+    The micro-batches are tied to it, so that nothing computed from them
+    runs before the check passes: DTensor drops control dependencies (and a
+    `tf.debugging.assert_*` under `tf.control_dependencies` left DTensor
+    unable to infer the micro-batches' shapes).
+    """
+    zero_if_divisible = tf.where(size % num_microbatches == 0, 0.0, float("nan"))
+    return tf.debugging.check_numerics(zero_if_divisible, _indivisible(None, num_microbatches))
+
+
+def _indivisible(size: int | None, num_microbatches: int) -> str:
+    samples = "this step's samples" if size is None else f"{size} samples"
+    return (
+        f"A batch of {samples} does not split into num_microbatches="
+        f"{num_microbatches} equal micro-batches. Use a batch size that is a "
+        f"multiple of {num_microbatches}, and a data set whose size divides "
+        "by it (or drop_remainder=True in tf.data)."
+    )
+
+
+def _microbatch_rows(x: Any, num_microbatches: int) -> int | None:
+    """The samples of each micro-batch, if known while tracing."""
+    size = tf.nest.flatten(x)[0].shape[0]
+    return None if size is None else size // num_microbatches
+
+
+def _loss_reduction(model: keras.Model) -> str:
+    """How the model's losses reduce a batch: "mean" (each divides by a
+    count of values, so a micro-batch's loss counts for 1/m of the batch's)
+    or "sum" (micro-batch losses add up to the batch's)."""
     reductions = {
         getattr(loss, "reduction", "sum_over_batch_size")
         for loss in tf.nest.flatten(model.loss)
         if loss is not None
     }
-    if reductions <= {"sum_over_batch_size"}:
-        return 1.0 / num_microbatches
+    if reductions <= {"sum_over_batch_size", "mean"}:
+        return "mean"
     if reductions == {"sum"}:
-        return 1.0
+        return "sum"
     raise ValueError(
         f"Pipeline model {model.name!r} has losses with reductions {sorted(reductions)}: "
         "a pipeline sums micro-batch losses, which is exact for "
-        "'sum_over_batch_size' (the default) and 'sum'. Use one of those."
+        "'sum_over_batch_size' (the default), 'mean' and 'sum'. Use one of those."
     )
 
 
