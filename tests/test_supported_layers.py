@@ -145,6 +145,15 @@ CASES = (
     Case("RandomFlip", "images over batch", lambda: L.RandomFlip(), (4, 4, 3), {}),
     Case("RandomContrast", "images over batch", lambda: L.RandomContrast(0.5), (4, 4, 3), {}),
     Case("RandomBrightness", "images over batch", lambda: L.RandomBrightness(0.5), (4, 4, 3), {}),
+    Case("RandomCrop", "images over batch, then pooled", lambda: _Pooled(L.RandomCrop(4, 4)), (6, 6, 3), {}),
+    Case("RandomRotation", "images over batch; nearest, constant fill",
+         lambda: L.RandomRotation(0.3, fill_mode="constant", interpolation="nearest"), (6, 6, 3), {}),
+    Case("RandomZoom", "images over batch; bilinear, reflect", lambda: L.RandomZoom(0.3), (6, 6, 3), {}),
+    Case("RandomTranslation", "images over batch; bilinear, wrap",
+         lambda: L.RandomTranslation(0.3, 0.3, fill_mode="wrap"), (6, 6, 3), {}),
+    Case("RandomShear", "images over batch; bilinear, nearest fill",
+         lambda: L.RandomShear(0.3, 0.3, fill_mode="nearest"), (6, 6, 3), {}),
+    Case("RandomPerspective", "images over batch", lambda: L.RandomPerspective(0.5), (6, 6, 3), {}),
     Case("Transformer block", "auto", lambda: _TransformerBlock(), (4, 8), "auto", BOTH, zero_gradient=KEY_BIAS),
     Case("CNN", "auto", lambda: _ConvStack(), (6, 6, 4), "auto"),
 )
@@ -169,6 +178,21 @@ class _AfterColumn(keras.layers.Layer):
 
     def call(self, x, training=None):
         return self.inner(self.column(x), training=training)
+
+
+class _Pooled(keras.layers.Layer):
+    """The layer, then global average pooling: under any tf.distribute
+    strategy Keras builds the model by calling it with training=False, where
+    RandomCrop keeps its input's size, and a head on the uncropped shape
+    fails that build (on one device too, with OneDeviceStrategy)."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+        self.pool = keras.layers.GlobalAveragePooling2D()
+
+    def call(self, x, training=None):
+        return self.pool(self.inner(x, training=training))
 
 
 class _TransformerBlock(keras.layers.Layer):
@@ -245,14 +269,26 @@ def render_page() -> str:
         "\"auto\" is `layout_map=\"auto\"` on a custom layer the planner opens.",
         "Random layers draw exactly one device's values for the whole tensor.",
         "",
-        "Not supported on a mesh yet: `RandomRotation`, `RandomZoom`,",
-        "`RandomTranslation` (DTensor has no layout rule for",
-        "`ImageProjectiveTransformV3`: the first step stops with a `ValueError`",
-        "naming the layer), `RandomCrop` (on a 2x4 mesh `fit` ran it without",
-        "cropping: its output kept the input's size; cause not found), and random draws of `categorical`, `gamma`, `binomial`",
-        "and `beta` (AugMix, MixUp, CutMix: no layout rule; tfmp's error says to",
-        "draw them in the `tf.data` pipeline). In a pipeline with more than one",
-        "micro-batch, random layers draw per micro-batch, not one device's values.",
+        "The image warps (`RandomRotation`, `RandomZoom`, `RandomTranslation`,",
+        "`RandomShear`, `RandomPerspective`) run tfmp's form of TensorFlow's",
+        "`ImageProjectiveTransformV3` (gathers; `tfmp/lowering/image.py`), whose",
+        "outputs are bitwise Keras' own; each row takes another interpolation and",
+        "fill mode, and `tests/test_lowering_image.py` checks every combination and",
+        "the gradients, and trains RandomCrop and RandomRotation after a Dense on",
+        "an 8x1 mesh. `RandomCrop` crops at an offset drawn in the step, which tfmp",
+        "reads as a gather. Its row pools after the crop: under any",
+        "`tf.distribute` strategy, Keras builds the model at the start of `fit` by",
+        "calling it with `training=False`, where Keras' RandomCrop keeps its",
+        "input's size, so layers whose shapes depend on the crop (`Flatten`, then",
+        "`Dense`) fail that build with Keras' own error, on one device too.",
+        "",
+        "Not supported on a mesh: `RandomElasticTransform` (it draws with",
+        "TensorFlow's random ops directly, which DTensor draws shard by shard), and",
+        "random draws of `categorical`, `gamma`, `binomial` and `beta` (AugMix,",
+        "MixUp, CutMix: no layout rule). The first step stops with a `ValueError`",
+        "that names the layer and says to apply them in the `tf.data` pipeline. In a",
+        "pipeline with more than one micro-batch, random layers draw per",
+        "micro-batch, not one device's values.",
         "",
         "| layer | split | meshes (batch x model) | result |",
         "|---|---|---|---|",

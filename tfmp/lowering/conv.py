@@ -44,9 +44,7 @@ from keras.src.backend.tensorflow import sparse as keras_sparse
 from keras.src.backend.tensorflow.core import convert_to_tensor as keras_tensor
 from tensorflow.experimental import dtensor
 
-from tfmp.forward import forward_mesh
-from tfmp.layers.declaring import BACKWARD_SCOPE
-from tfmp.layers.mesh_context import batch_spec
+from tfmp.forward import BACKWARD_SCOPE, batch_spec, forward_mesh
 from tfmp.lowering.registry import Lowering
 
 _KERAS_NN = "keras.src.backend.tensorflow.nn"

@@ -7,10 +7,8 @@ import functools
 import importlib
 from typing import Any, Callable
 
+from tfmp import integrations
 from tfmp.forward import forward_mesh
-
-# Keras releases every lowering's target was tested with.
-TESTED_KERAS = ("3.15",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,12 +21,19 @@ class Lowering:
         name: The function's name in that module.
         replacement: `"package.module:function"` taking the same arguments.
         why: What DTensor refuses in Keras' own version.
+        since: The first Keras release that has the function (older ones
+            have nothing to lower).
     """
 
     module: str
     name: str
     replacement: str
     why: str
+    since: str = "3.12"
+
+    def in_installed_keras(self) -> bool:
+        """Whether the installed Keras is a release that has the function."""
+        return integrations.is_at_least(integrations.installed_version("keras"), self.since)
 
     def resolve(self) -> tuple[Any, Callable]:
         """The target module and tfmp's replacement function."""
@@ -44,6 +49,7 @@ _FAMILIES = (
     "tfmp.lowering.rnn",
     "tfmp.lowering.random",
     "tfmp.lowering.indexing",
+    "tfmp.lowering.image",
 )
 
 
@@ -65,7 +71,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    for lowering in lowerings():
+    for lowering in filter(Lowering.in_installed_keras, lowerings()):
         module, replacement = lowering.resolve()
         original = getattr(module, lowering.name)
         setattr(module, lowering.name, _on_mesh_only(original, replacement))

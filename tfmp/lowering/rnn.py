@@ -217,6 +217,6 @@ LOWERINGS: tuple[Lowering, ...] = (
     Lowering(_BACKEND, "lstm", f"{_HERE}:generic_recurrence", "cuDNN's CudnnRNNV3 on a GPU"),
     Lowering(_BACKEND, "gru", f"{_HERE}:generic_recurrence", "cuDNN's CudnnRNNV3 on a GPU"),
     Lowering(_NUMPY, "flip", f"{_HERE}:flip", _REVERSE_V2),
-    Lowering(_NUMPY, "fliplr", f"{_HERE}:fliplr", _REVERSE_V2),
-    Lowering(_NUMPY, "flipud", f"{_HERE}:flipud", _REVERSE_V2),
+    Lowering(_NUMPY, "fliplr", f"{_HERE}:fliplr", _REVERSE_V2, since="3.14"),
+    Lowering(_NUMPY, "flipud", f"{_HERE}:flipud", _REVERSE_V2, since="3.14"),
 )
