@@ -10,7 +10,9 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tfmp", "tfmp.*"]),
     python_requires=">=3.10",
-    install_requires=["tensorflow>=2.20,<2.22", "keras>=3.10", "numpy"],
+    # The ranges tfmp is tested on (tfmp/integrations/ declares the same, and
+    # CI runs a subset on the lowest Keras): TensorFlow 2.21 needs Keras >= 3.12.
+    install_requires=["tensorflow>=2.21,<2.22", "keras>=3.12,<3.16", "numpy"],
     extras_require={
         "test": [
             "pytest>=7",

@@ -1,12 +1,12 @@
 """Runs every benchmark in bench/ and writes their ratios to bench/RESULTS.md.
 
-Runs overhead.py, tensor_parallel.py, callbacks.py, pipeline.py and
-compare_jax.py one after another, each in its own process (the machine's cores
+Runs overhead.py, eager_call.py, tensor_parallel.py, callbacks.py,
+pipeline.py and compare_jax.py one after another, each in its own process (the machine's cores
 go to one benchmark at a time), captures what each prints, and takes from it
 every ratio with its target:
 
 - a line `RESULT measure="..." ratio=1.234 target=<=1.00 status=met|missed`
-  (compare_jax.py prints these; any benchmark may);
+  (compare_jax.py and eager_call.py print these; any benchmark may);
 - otherwise the benchmark's own table, read by a parser below that knows its
   format (overhead.py, tensor_parallel.py, callbacks.py, pipeline.py).
 
@@ -43,7 +43,14 @@ from typing import Callable
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-BENCHMARKS = ("overhead.py", "tensor_parallel.py", "callbacks.py", "pipeline.py", "compare_jax.py")
+BENCHMARKS = (
+    "overhead.py",
+    "eager_call.py",
+    "tensor_parallel.py",
+    "callbacks.py",
+    "pipeline.py",
+    "compare_jax.py",
+)
 # callbacks.py has no --quick: one round is its short run.
 QUICK_ARGS = {"callbacks.py": ["--rounds", "1"]}
 

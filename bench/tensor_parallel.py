@@ -20,11 +20,22 @@ and on 2x4 (with the tensor split on "model"):
 
 - memory: per-device bytes / (the one-device total / 8). Target <= 1.05.
 - communication over "batch": the bytes each device sends per step for
-  weight gathers and gradient reductions (ring algorithms: 2(k-1)/k of an
-  all-reduced tensor, (k-1)/k of the others; DTensor runs its all-gathers as
-  all-reduces on CPU and GPU) / the ZeRO-3 minimum, 3(k-1)/k of the weights
-  as layers read them (gathered forward, again backward, gradients
-  reduce-scattered). Target <= 1.10.
+  weight gathers, gradient reductions and the optimizer (`tfmp.comm_report`'s
+  collectives over "batch" but the loss's; ring algorithms over k devices:
+  2(k-1)/k of an all-reduced tensor, (k-1)/k of a gathered tensor, of a
+  reduce-scattered one's input and of an all-to-all's buffer) / the ZeRO-3
+  minimum, 3(k-1)/k of the weights as layers read them (gathered forward,
+  again backward, gradients reduce-scattered). Target <= 1.10. tfmp gathers
+  once per step (the backward pass reuses the forward's gather), and on CPU
+  DTensor lowers a reduce-scatter as an all-reduce and, by default, an
+  all-gather as an all-reduce of a zero-filled buffer, each twice the bytes
+  of what it stands for: dense weights cost 2/3 + 2/3 of the minimum, 1/3 +
+  2/3 with real gathers; an embedding's sparse gradient costs less than a
+  reduce-scatter of its table. Each mesh runs twice:
+  with DTensor's default lowering, and with
+  `LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2` set while it trains (real
+  gathers: exact for tfmp's weight gathers, which gather one mesh axis each;
+  wrong for a relayout that gathers two at once, so tfmp leaves it unset).
 
 Usage (from the repository root):
 
@@ -43,6 +54,7 @@ import tfmp  # noqa: E402
 tfmp.simulate_devices(8)  # before any TensorFlow op
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -55,6 +67,7 @@ from tfmp.inspect.summary import bytes_per_device  # noqa: E402
 
 MODEL_AXIS_SIZES = (1, 2, 4, 8)
 FULLY_SHARDED_MESHES = ((8, 1), (2, 4))  # ("batch", "model")
+GATHER_LOWERING = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 WARMUP_STEPS = 2
 
 
@@ -134,6 +147,23 @@ def run(c: Config, model_axis: int, weights, data, batch_axis: int = 1, fully_sh
     }
 
 
+@contextlib.contextmanager
+def gathers_lowered_as(kind: str):
+    """DTensor lowers the all-gathers of the functions it compiles in the block
+    as `kind`: "all-reduce" (its default) or "all-gather" (TensorFlow's gather
+    collective). DTensor reads the variable at each compilation; any value,
+    "0" too, selects the gather."""
+    previous = os.environ.pop(GATHER_LOWERING, None)
+    if kind == "all-gather":
+        os.environ[GATHER_LOWERING] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(GATHER_LOWERING, None)
+        if previous is not None:
+            os.environ[GATHER_LOWERING] = previous
+
+
 def tfmp_shard_shape(layout, shape) -> list[int]:
     """The shape one device holds of a tensor with `layout`."""
     return [
@@ -171,14 +201,20 @@ def main() -> None:
             f"| {comm_ratio:.3f} | {r['step_s'] / one['step_s']:.2f} |"
         )
     print()
-    print("| fully sharded | bytes/device | memory / (total / 8) (<= 1.05) | batch-axis bytes sent/step | / ZeRO-3 min (<= 1.10) |")
-    print("|---|---:|---:|---:|---:|")
-    for batch_axis, model_axis in FULLY_SHARDED_MESHES:
-        r = run(c, model_axis, weights, data, batch_axis=batch_axis, fully_shard=True)
-        print(
-            f"| {batch_axis}x{model_axis} | {r['memory']:,} | {r['memory'] / (one['memory'] / 8):.3f} "
-            f"| {r['batch_wire']:,.0f} | {r['batch_wire'] / r['zero3_minimum']:.3f} |"
-        )
+    print(
+        "| fully sharded | all-gathers lowered as | bytes/device | memory / (total / 8) (<= 1.05) "
+        "| batch-axis bytes sent/step | / ZeRO-3 min (<= 1.10) |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for lowering in ("all-reduce", "all-gather"):
+        for batch_axis, model_axis in FULLY_SHARDED_MESHES:
+            with gathers_lowered_as(lowering):
+                r = run(c, model_axis, weights, data, batch_axis=batch_axis, fully_shard=True)
+            print(
+                f"| {batch_axis}x{model_axis} | {lowering} | {r['memory']:,} "
+                f"| {r['memory'] / (one['memory'] / 8):.3f} "
+                f"| {r['batch_wire']:,.0f} | {r['batch_wire'] / r['zero3_minimum']:.3f} |"
+            )
 
 
 if __name__ == "__main__":

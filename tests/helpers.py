@@ -15,7 +15,9 @@ MESH_SHAPES = [(1, 1), (8, 1), (2, 4), (1, 8)]
 SEED = 7
 
 
-def mesh(shape, axis_names=("batch", "model")) -> tfmp.DeviceMesh:
+def mesh(shape, axis_names=None) -> tfmp.DeviceMesh:
+    """A mesh whose last axes are ("stage", "batch", "model"), by default."""
+    axis_names = axis_names or ("stage", "batch", "model")[-len(shape):]
     return tfmp.DeviceMesh(shape, axis_names)
 
 
@@ -134,44 +136,103 @@ def assert_weights_close(expected, actual, rtol=1e-5, atol=1e-5):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
+def strategy_on(shape, layout_map_fn=None, **strategy_kwargs) -> tfmp.ModelParallelStrategy:
+    """A ModelParallelStrategy on a `mesh(shape)`, with the LayoutMap
+    `layout_map_fn(mesh)` gives (None: only the layers' declared layouts)."""
+    device_mesh = mesh(shape)
+    layout_map = layout_map_fn(device_mesh) if layout_map_fn else None
+    return tfmp.ModelParallelStrategy(device_mesh, layout_map, **strategy_kwargs)
+
+
 def assert_parity(
-    build, layout_map_fn, x, y, mesh_shape=(2, 4), loss="mse", steps=3, atol=1e-5, zero_gradient=None
+    build,
+    layout_map_fn=None,
+    x=None,
+    y=None,
+    mesh_shape=(2, 4),
+    loss="mse",
+    steps=3,
+    atol=1e-5,
+    zero_gradient=None,
+    *,
+    strategy=None,
+    compile_fn=None,
+    loss_atol=1e-6,
+    prediction_atol=None,
+    evaluate=False,
+    **fit_kwargs,
 ):
-    """Trains `build()` with Adam for `steps` steps on one device and on a
-    `mesh_shape` ("batch", "model") mesh from the same weights; per-step losses,
-    final weights and predictions agree to 1e-5. `layout_map_fn(mesh)` gives
-    the LayoutMap (or "auto"). Weights whose path matches the regex
-    `zero_gradient` have an exactly zero gradient in theory (an attention key
-    bias: softmax ignores a constant added to every score), which Adam turns
-    into steps of float noise; they are compared with an absolute floor of
-    1e-3 (3 Adam steps at 0.01 move a weight by up to 0.03). Returns the mesh
-    model."""
+    """Fits `build()` on one device and under a strategy from the same
+    weights (seed 7) and the same batches; per-step losses, the History,
+    final weights and predictions agree to 1e-5. Returns the mesh model.
+
+    The strategy is `strategy`, else one on a `mesh_shape` ("batch", "model")
+    mesh with the LayoutMap `layout_map_fn(mesh)` (or "auto"). Both models
+    are compiled by `compile_fn`, else with Adam(0.01) and `loss`.
+    `fit_kwargs` go to both `fit`s (epochs, sample_weight, validation, ...);
+    without a `batch_size`, `x` is cut into `steps` batches. Either way
+    exactly `steps` batch losses are compared.
+
+    Weights whose path matches the regex `zero_gradient` have an exactly
+    zero gradient in theory (an attention key bias: softmax ignores a
+    constant added to every score), which Adam turns into steps of float
+    noise; they are compared with an absolute floor of 1e-3 (3 Adam steps at
+    0.01 move a weight by up to 0.03); the others with `atol`. Predictions
+    get `prediction_atol`, by default 1e-5 of the output scale: shards sum in
+    another order than one device. With `evaluate`, `evaluate`'s results are
+    compared too. The largest differences are printed, for the report."""
     weights = initial_weights(build)
+    if compile_fn is None:
+
+        def compile_fn(model):
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+            return model
+
     # Random layers' seed generators take their seeds from the global seed
     # as they are built: the same for both models.
     keras.utils.set_random_seed(SEED)
     reference = build()
     reference.set_weights(weights)
-    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
-    device_mesh = mesh(mesh_shape)
-    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map_fn(device_mesh))
+    compile_fn(reference)
+    if strategy is None:
+        strategy = strategy_on(mesh_shape, layout_map_fn)
     with strategy.scope():
         keras.utils.set_random_seed(SEED)
         model = build()
         model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
-    batch_size = len(tf.nest.flatten(x)[0]) // steps
-    ref_losses, _ = train(reference, x, y, batch_size=batch_size)
-    losses, _ = train(model, x, y, batch_size=batch_size)
-    assert len(losses) == steps
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for variable, want, got in zip(model.weights, reference.get_weights(), model.get_weights()):
+        compile_fn(model)
+    if "batch_size" not in fit_kwargs:
+        fit_kwargs["batch_size"] = len(tf.nest.flatten(x)[0]) // steps
+    ref_losses, ref_history = train(reference, x, y, **fit_kwargs)
+    losses, history = train(model, x, y, **fit_kwargs)
+
+    assert len(losses) == len(ref_losses) == steps
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=loss_atol)
+    assert history.history.keys() == ref_history.history.keys()
+    for key, values in ref_history.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-5, atol=loss_atol, err_msg=key)
+    ref_final, final = reference.get_weights(), model.get_weights()
+    for variable, want, got in zip(model.weights, ref_final, final, strict=True):
         floor = 1e-3 if zero_gradient and re.search(zero_gradient, variable.path) else atol
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=floor, err_msg=variable.path)
-    expected = reference.predict(x, verbose=0)
-    # 1e-5 of the output scale: shards sum in another order than one device.
-    scale = max(1.0, float(np.max(np.abs(expected))))
-    np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-5 * scale)
+    batch_size = fit_kwargs["batch_size"]
+    if evaluate:
+        ref_results = reference.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+        results = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+        assert results.keys() == ref_results.keys()
+        for key, value in ref_results.items():
+            np.testing.assert_allclose(results[key], value, rtol=1e-5, err_msg=key)
+    ref_predictions = reference.predict(x, batch_size=batch_size, verbose=0)
+    predictions = model.predict(x, batch_size=batch_size, verbose=0)
+    if prediction_atol is None:
+        prediction_atol = 1e-5 * max(1.0, float(np.max(np.abs(ref_predictions))))
+    np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-5, atol=prediction_atol)
+    differences = {
+        "loss": float(np.max(np.abs(np.subtract(losses, ref_losses)))),
+        "weights": max(float(np.max(np.abs(a - b))) for a, b in zip(ref_final, final)),
+        "predictions": float(np.max(np.abs(predictions - ref_predictions))),
+    }
+    print(f"max |difference| to one device: {differences}")
     return model
 
 

@@ -1,10 +1,13 @@
 """tfmp.comm_report counts the collectives of a step as Megatron-LM predicts."""
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmp
 from helpers import build_layers_lm, build_mlp, compile_mlp, lm_data, mesh, mlp_data, mlp_layout_map
+from tfmp.inspect.comm_report import _collective
 from tfmp.inspect.summary import bytes_per_device
 
 
@@ -69,6 +72,30 @@ def test_column_row_mlp_costs_one_forward_all_reduce():
     assert not [c for c in report.collectives if c.phase == "backward" and c.axes == ("model",)]
     # No batch axis of size > 1: nothing to synchronize.
     assert not [c for c in report.collectives if c.category == "gradients"]
+
+
+def test_reduce_scatter_counts_the_tensor_it_reduces():
+    """A reduce-scatter (DTensor's lowering with NCCL) outputs one device's
+    part of the tensor it reduces; the report counts the whole tensor, of
+    which a ring sends (k-1)/k, as for the other kinds."""
+    device_mesh = mesh((2, 4))
+    partition = tf.compat.v1.GraphDef()
+    # DTensor's group table: one entry per device; equal entries form a group.
+    # Devices (batch, model) = (0, m) and (1, m) reduce together: over "batch".
+    table = partition.node.add(name="group_table", op="Const")
+    table.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.array([0, 1, 2, 3] * 2, np.int32)))
+    node = partition.node.add(
+        name="gradient_tape/m/dense/MatMul/DTensorReduceScatterOp",
+        op="CollectiveReduceScatterV2",
+        input=["gradient", "group_size", "group_table"],
+    )
+    node.attr["T"].type = tf.float32.as_datatype_enum
+    node.attr["_output_shapes"].list.shape.add().CopyFrom(tf.TensorShape([8, 16]).as_proto())
+    collective = _collective(node, partition, device_mesh, "adam", "batch")
+    assert collective.kind == "reduce-scatter"
+    assert (collective.axes, collective.category) == (("batch",), "gradients")
+    assert collective.bytes == 2 * 8 * 16 * 4
+    assert collective.wire_bytes(2) == 8 * 16 * 4
 
 
 def test_report_needs_a_trained_model():

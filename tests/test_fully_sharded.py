@@ -1,6 +1,7 @@
 """Fully sharded data parallelism (`fully_shard=True`) and how a variable's
 layout is resolved: parity with one device, bytes per device, weight gathers."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,21 +20,29 @@ from tfmp.inspect.summary import bytes_per_device, placements
 from tfmp.strategy.variable_layout import fully_sharded, resolve_layout
 
 
-def fit_both(name, strategy, epochs=1):
+def fit_both(name, strategy, epochs=1, predict=True):
     """Trains model `name` on one device and in `strategy`'s scope from the same
-    weights; per-step losses, final weights and predictions agree to 1e-5."""
+    weights; per-step losses, final weights and (with `predict`) predictions
+    agree to 1e-5."""
     build, _, compile_fn, data = MODELS[name]
+    return fit_both_models(build, compile_fn, data(), strategy, epochs, predict)
+
+
+def fit_both_models(build, compile_fn, data, strategy, epochs=1, predict=True):
+    """`fit_both` for a model `build()` compiled by `compile_fn`, on `data`."""
     weights = initial_weights(build)
     reference = compile_fn(build())
     reference.set_weights(weights)
     with strategy.scope():
         model = compile_fn(build())
         model.set_weights(weights)
-    x, y = data()
+    x, y = data
     ref_losses, _ = train(reference, x, y, epochs=epochs)
     losses, _ = train(model, x, y, epochs=epochs)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_weights_close(reference.get_weights(), model.get_weights())
+    if not predict:
+        return model
     expected = reference.predict(x, verbose=0)
     scale = max(1.0, float(np.max(np.abs(expected))))
     np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-5 * scale)
@@ -111,6 +120,90 @@ def test_fully_sharded_mlp_on_1x8_and_8x1():
             assert kernel.layout.sharding_specs == ["batch", "model"]
         else:
             assert kernel.layout.sharding_specs == ["unsharded", "model"]
+
+
+def build_embedding_model():
+    return keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(256, 16, name="embed"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(8, name="out"),
+        ],
+        name="embedding_model",
+    )
+
+
+def compile_adam_mse(model):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def embedding_data():
+    """48 rows of 4 ids, some repeated within a batch: a batch of 16 has 64
+    ids, fewer than the table's 256 rows."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 256, size=(48, 4)).astype("int32")
+    ids[:, 1] = ids[:, 0]
+    return ids, rng.normal(size=(48, 8)).astype("float32")
+
+
+@pytest.mark.parametrize(
+    "shape, axes, fully_shard, stored",
+    [
+        ((2, 4), ("model", None), True, ["model", "batch"]),
+        ((8, 1), ("model", None), True, ["model", "batch"]),
+        ((8, 1), None, True, ["batch", "unsharded"]),
+        # Not fully sharded: read as stored. Here a split layout for the rows,
+        # pushed back by DTensor, broke the pooling's backward pass.
+        ((2, 4), ("model", "batch"), False, ["model", "batch"]),
+    ],
+)
+def test_embedding_adam_sums_its_rows_without_reducing_the_table(shape, axes, fully_shard, stored):
+    """Keras' Adam sums an embedding's sparse gradient into its two moments
+    (the rows, then their squares: a repeated id adds its squares). The rows
+    come split over "batch"; tfmp gathers them before those sums instead of
+    letting DTensor all-reduce a table-sized sum for each: the same numbers as
+    one device, and nothing table-sized crosses "batch" after the forward
+    pass."""
+    device_mesh = mesh(shape)
+    layout_map = tfmp.LayoutMap(device_mesh)
+    if axes:
+        layout_map["embed/embeddings"] = axes
+    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map, fully_shard=fully_shard)
+    model = fit_both_models(build_embedding_model, compile_adam_mse, embedding_data(), strategy)
+    table = model.get_layer("embed").embeddings.value
+    assert table.layout.sharding_specs == stored
+    table_bytes = 256 * 16 * 4
+    report = tfmp.comm_report(model, print_fn=lambda _: None)
+    after_forward = [c for c in report.collectives if c.axes == ("batch",) and c.phase != "forward"]
+    assert after_forward and all(c.bytes < table_bytes // 2 for c in after_forward), after_forward
+
+
+def test_gathers_lowered_as_gathers_train_exactly(monkeypatch):
+    """With LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2 (read by DTensor each
+    time it compiles a function) every weight gather is a gather collective,
+    half the bytes of DTensor's default (an all-reduce of a zero-filled
+    buffer), and training stays exact: each gathers one mesh axis, the case
+    DTensor lowers right. Reading weights gathers one axis at a time too,
+    since a relayout gathering two axes at once (the ("model", "batch")
+    embedding read whole) comes back misplaced with that lowering."""
+    monkeypatch.setenv("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", "1")
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(
+        device_mesh, tfmp.LayoutMap(device_mesh), fully_shard=True
+    )
+    # Not predict: its outputs leave the step replicated by one relayout,
+    # which gathers "batch" and "model" at once.
+    model = fit_both("layers", strategy, predict=False)
+    assert model.get_layer("embed").embeddings.value.layout.sharding_specs == ["model", "batch"]
+    report = tfmp.comm_report(model, print_fn=lambda _: None)
+    gathers = [c for c in report.collectives if c.category == "weight-gathers"]
+    assert {c.lowered_as for c in gathers} == {"all-gather"}
+    # One gather per weight stored split over "batch", also where a layer
+    # reads several (DTensor names them ReadVariableOp_1, ...).
+    split = [v for v in model.trainable_variables if "batch" in v.value.layout.sharding_specs]
+    assert len([c for c in gathers if c.axes == ("batch",)]) == len(split)
 
 
 def test_fully_shard_needs_a_batch_axis():

@@ -7,8 +7,9 @@ import tensorflow as tf
 
 import tfmp
 from helpers import (
-    BatchLosses,
+    assert_parity,
     assert_weights_close,
+    compile_mlp,
     build_on,
     initial_weights,
     mesh,
@@ -31,22 +32,6 @@ def pair(strategy):
     return build_on(None, "mlp", WEIGHTS), build_on(strategy, "mlp", WEIGHTS)
 
 
-def fit_both(strategy, fit_kwargs):
-    results = []
-    for model in pair(strategy):
-        recorder = BatchLosses()
-        history = model.fit(verbose=0, callbacks=[recorder], **fit_kwargs)
-        results.append((model, recorder.losses, history.history))
-    (ref, ref_losses, ref_history), (got, losses, history) = results
-    assert len(losses) == len(ref_losses) > 0
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert history.keys() == ref_history.keys()
-    for key in ref_history:
-        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
-    assert_weights_close(ref.get_weights(), got.get_weights())
-    return ref, got
-
-
 def test_tf_data_with_validation_data_and_steps_per_execution(strategy):
     x, y = mlp_data(96)
     train = tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(16)
@@ -65,10 +50,9 @@ def test_tf_data_with_validation_data_and_steps_per_execution(strategy):
 def test_numpy_with_validation_split_sample_weight(strategy):
     x, y = mlp_data(80)
     weights = np.linspace(0.1, 2.0, len(x)).astype("float32")
-    _, got = fit_both(
-        strategy,
-        dict(x=x, y=y, sample_weight=weights, validation_split=0.2, batch_size=16,
-             epochs=2, shuffle=False),
+    got = assert_parity(
+        build_mlp, None, x, y, strategy=strategy, compile_fn=compile_mlp, steps=8, loss_atol=0,
+        sample_weight=weights, validation_split=0.2, batch_size=16, epochs=2,
     )
     assert len(got.history.history["val_loss"]) == 2
 

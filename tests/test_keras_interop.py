@@ -6,61 +6,13 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from helpers import (
-    SEED,
-    assert_weights_close,
-    build_mlp,
-    compile_mlp,
-    initial_weights,
-    mlp_data,
-    train,
-)
+from helpers import SEED, assert_parity, build_mlp, compile_mlp, mlp_data
 
 
 def keras_mesh(shape, axis_names, devices=None):
     """A Keras DeviceMesh over Keras' own device names (`"cpu:0"`, ...)."""
     devices = keras.distribution.list_devices() if devices is None else devices
     return keras.distribution.DeviceMesh(shape, axis_names, devices[: int(np.prod(shape))])
-
-
-def assert_fit_matches_single_device(
-    build, compile_fn, strategy, x, y, weight_atol=1e-5, prediction_atol=None, **fit_kwargs
-):
-    """Fits `build()` on one device and in the strategy's scope from the same
-    weights (same optimizer and batches); per-step losses, history, final weights and
-    predictions agree to 1e-5. Returns the mesh model and the largest
-    differences, for the report."""
-    weights = initial_weights(build)
-    reference = compile_fn(build())
-    reference.set_weights(weights)
-    with strategy.scope():
-        model = compile_fn(build())
-        model.set_weights(weights)
-    ref_losses, ref_history = train(reference, x, y, **fit_kwargs)
-    losses, history = train(model, x, y, **fit_kwargs)
-
-    assert len(losses) == len(ref_losses) >= 5
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for key, values in ref_history.history.items():
-        np.testing.assert_allclose(history.history[key], values, rtol=1e-5)
-    ref_final, final = reference.get_weights(), model.get_weights()
-    for variable, want, got in zip(model.weights, ref_final, final):
-        if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
-            print(f"{variable.path}: max |difference| {np.max(np.abs(got - want)):.2e}")
-    assert_weights_close(ref_final, final, atol=weight_atol)
-    ref_predictions = reference.predict(x, verbose=0)
-    predictions = model.predict(x, verbose=0)
-    # 1e-5 of the output scale: shards sum in another order than one device.
-    scale = max(1.0, float(np.max(np.abs(ref_predictions))))
-    atol = prediction_atol or 1e-5 * scale
-    np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-5, atol=atol)
-    differences = {
-        "loss": float(np.max(np.abs(np.subtract(losses, ref_losses)))),
-        "weights": max(float(np.max(np.abs(a - b))) for a, b in zip(ref_final, final)),
-        "predictions": float(np.max(np.abs(predictions - ref_predictions))),
-    }
-    print(f"max |difference| to one device: {differences}")
-    return model, differences
 
 
 def specs(variable):
@@ -90,8 +42,9 @@ def test_from_keras_model_parallel_mlp_matches_single_device():
         ".*up/bias": ("model",),
         ".*down/kernel": ("model", None),
     }
-    model, _ = assert_fit_matches_single_device(
-        build_mlp, compile_mlp, strategy, *mlp_data(), batch_size=16, epochs=2
+    model = assert_parity(
+        build_mlp, None, *mlp_data(), strategy=strategy, compile_fn=compile_mlp,
+        steps=8, loss_atol=0, batch_size=16, epochs=2,
     )
     assert specs(model.get_layer("up").kernel) == ["unsharded", "model"]
     assert specs(model.get_layer("up").bias) == ["model"]
@@ -121,8 +74,9 @@ def test_from_keras_data_parallel_mlp_matches_single_device():
     assert strategy.mesh.axis_names == ("batch",)
     assert strategy.batch_axis == "batch"
     assert len(strategy.layout_map) == 0
-    model, _ = assert_fit_matches_single_device(
-        build_mlp, compile_mlp, strategy, *mlp_data(), batch_size=16, epochs=2
+    model = assert_parity(
+        build_mlp, None, *mlp_data(), strategy=strategy, compile_fn=compile_mlp,
+        steps=8, loss_atol=0, batch_size=16, epochs=2,
     )
     assert all(v.value.layout.is_fully_replicated() for v in model.variables)
 
@@ -195,8 +149,9 @@ def test_embedding_under_sgd_matches_single_device(embedding_axes):
     x = rng.integers(0, 64, size=(32, 8)).astype("int32")  # repeated ids in each batch
     y = rng.normal(size=(32, 4)).astype("float32")
 
-    model, _ = assert_fit_matches_single_device(
-        build, compile_fn, strategy, x, y, batch_size=8, epochs=2
+    model = assert_parity(
+        build, None, x, y, strategy=strategy, compile_fn=compile_fn,
+        steps=8, loss_atol=0, batch_size=8, epochs=2,
     )
     want = list(embedding_axes) if embedding_axes else ["unsharded", "unsharded"]
     assert specs(model.get_layer("embed").embeddings) == want
@@ -268,8 +223,9 @@ def test_gemma_causal_lm_with_its_layout_map_matches_single_device(keras_hub):
     strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
     x, y, padding_mask = token_data()
 
-    model, _ = assert_fit_matches_single_device(
-        build, compile_fn, strategy, x, y, sample_weight=padding_mask, batch_size=8, epochs=2
+    model = assert_parity(
+        build, None, x, y, strategy=strategy, compile_fn=compile_fn,
+        steps=8, loss_atol=0, sample_weight=padding_mask, batch_size=8, epochs=2,
     )
 
     assert assert_layouts_are_keras_layouts(model, distribution) == 8
@@ -348,13 +304,16 @@ def test_backbone_with_its_own_layout_map_matches_single_device(keras_hub, name)
     x, _, padding_mask = token_data(n=20)
     labels = np.random.default_rng(SEED).integers(0, 4, size=(len(padding_mask),))
 
-    model, _ = assert_fit_matches_single_device(
+    model = assert_parity(
         lambda: build_hub_classifier(keras_hub, name),
-        compile_classifier,
-        strategy,
+        None,
         x,
         labels,
-        weight_atol=WEIGHT_ATOL.get(name, 1e-5),
+        strategy=strategy,
+        compile_fn=compile_classifier,
+        steps=5,
+        atol=WEIGHT_ATOL.get(name, 1e-5),
+        loss_atol=0,
         prediction_atol=PREDICTION_ATOL.get(name),
         batch_size=4,
     )

@@ -22,6 +22,28 @@ def keras_own(name: str, module: str = "nn"):
     return getattr(function, "__wrapped_keras__", function)
 
 
+def keras_reference(name: str):
+    """Keras' own function, or where the installed Keras computes it wrongly
+    (depthwise with strides and dilation both above 1 before Keras 3.15, which
+    handed both to tf.nn.depthwise_conv2d), the same convolution at stride 1,
+    subsampled: what a strided convolution is, for "valid" padding."""
+    own = keras_own(name)
+    if name not in ("depthwise_conv", "separable_conv") or hasattr(
+        KERAS_NN, "_needs_depthwise_stride_dilation_decomposition"
+    ):
+        return own
+
+    def reference(*tensors, strides=1, dilation_rate=1, padding="valid", **kwargs):
+        if strides == 1 or dilation_rate == 1:
+            return own(*tensors, strides=strides, dilation_rate=dilation_rate, padding=padding, **kwargs)
+        assert padding == "valid" and kwargs.get("data_format") in (None, "channels_last")
+        full = own(*tensors, strides=1, dilation_rate=dilation_rate, padding=padding, **kwargs)
+        rank = full.shape.rank
+        return full[(slice(None),) + (slice(None, None, strides),) * (rank - 2)]
+
+    return reference
+
+
 def normal(*shape: int, seed: int = 0) -> tf.Tensor:
     return tf.constant(np.random.default_rng(seed).normal(size=shape) * 0.5, tf.float32)
 
@@ -32,7 +54,7 @@ def assert_same_values_and_gradients(name: str, arrays: list, **kwargs) -> None:
     tensors = [normal(*shape, seed=i) for i, shape in enumerate(arrays)]
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(tensors)
-        want = keras_own(name)(*tensors, **kwargs)
+        want = keras_reference(name)(*tensors, **kwargs)
         got = getattr(lowered, name)(*tensors, **kwargs)
         projection = normal(*want.shape, seed=99)
         want_loss = tf.reduce_sum(want * projection)

@@ -73,7 +73,7 @@ def test_summary_counts_shard_bytes_per_device():
     model = build_on(strategy, "mlp", initial_weights(build_mlp))
     with strategy.scope():
         model.optimizer.build(model.trainable_variables)
-    text = strategy.summary(model, print_fn=lambda _: None)
+    text = tfmp.summary(model, print_fn=lambda _: None)
     assert "mlp/up/kernel" in text and "(None, 'model')" in text and "(16, 8)" in text
     # up: 16*32/4 + 32/4, down: 32*8/4 + 8 (bias replicated) float32 values.
     parameters = 4 * (16 * 8 + 8 + 8 * 8 + 8)

@@ -5,7 +5,6 @@ import functools
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfmp
 from helpers import assert_weights_close, build_layers_lm, compile_lm, compile_mlp, lm_data, train
@@ -380,10 +379,14 @@ def test_batch_of_unknown_size_splits_at_run_time():
     got_losses, _ = train(model, x, y, batch_size=BATCH)
     np.testing.assert_allclose(got_losses, losses, rtol=1e-5)
     assert_weights_close(reference.get_weights(), model.get_weights())
-    # A batch of 9 does not split into 2 equal micro-batches: the step fails
-    # before it changes anything. (DTensor may report another device's
-    # CancelledError instead of the check's InvalidArgumentError.)
+    # A batch of 9 does not split into 2 equal micro-batches: the host says so
+    # before placing it, also where no callback reads the step's outputs.
     before = model.get_weights()
-    with pytest.raises((tf.errors.InvalidArgumentError, tf.errors.CancelledError)):
-        train(model, x[:9], y[:9], batch_size=9)
+    indivisible = "batch of 9 samples does not split into num_microbatches=2"
+    with pytest.raises(ValueError, match=indivisible):
+        model.fit(x[:9], y[:9], batch_size=9, shuffle=False, verbose=0)
+    with pytest.raises(ValueError, match=indivisible):
+        model.train_on_batch(x[:9], y[:9])
     assert_weights_close(before, model.get_weights(), rtol=0, atol=0)
+    # evaluate runs whole batches through the stages: any size works.
+    model.evaluate(x[:9], y[:9], batch_size=9, verbose=0)

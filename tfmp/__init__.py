@@ -3,7 +3,8 @@
 Example:
 
 >>> import tfmp
->>> tfmp.simulate_devices(8)  # doctest: +SKIP
+>>> tfmp.simulate_devices(8)
+['/device:CPU:0', ..., '/device:CPU:7']
 >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
 >>> strategy = tfmp.ModelParallelStrategy(mesh, tfmp.LayoutMap(mesh))
 """

@@ -99,7 +99,7 @@ def run(
         )
     x, y = next_token_data(512, seq_len=8, vocab_size=64)
     history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=0)
-    strategy.summary(model, print_fn=print_fn)
+    tfmp.summary(model, print_fn=print_fn)
     for epoch, (loss, accuracy) in enumerate(
         zip(history.history["loss"], history.history["accuracy"]), start=1
     ):

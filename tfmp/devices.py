@@ -32,7 +32,7 @@ def simulate_devices(
 
     Examples:
         >>> import tfmp
-        >>> tfmp.simulate_devices(8)  # doctest: +SKIP
+        >>> tfmp.simulate_devices(8)
         ['/device:CPU:0', ..., '/device:CPU:7']
     """
     device_type = device_type.upper()
@@ -82,8 +82,9 @@ def devices_for(count: int) -> list[str]:
 
     Examples:
         >>> import tfmp
-        >>> tfmp.simulate_devices(8)  # doctest: +SKIP
-        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"), tfmp.devices.devices_for(8))  # doctest: +SKIP
+        >>> tfmp.simulate_devices(8)
+        ['/device:CPU:0', ..., '/device:CPU:7']
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"), tfmp.devices.devices_for(8))
     """
     preferred = list_devices()
     return (preferred if len(preferred) >= count else list_devices("CPU"))[:count]

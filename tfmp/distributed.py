@@ -105,9 +105,10 @@ def initialize(
 
     Examples:
         >>> import tfmp
+        >>> # Skipped when run: it waits for a second host at 10.0.0.2.
         >>> cluster = tfmp.initialize(  # doctest: +SKIP
         ...     jobs=["10.0.0.1:9876", "10.0.0.2:9876"], client_id=0, num_local_devices=4)
-        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))  # doctest: +SKIP
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
     """
     global _cluster
     if num_local_devices is None and os.environ.get("TFMP_NUM_LOCAL_DEVICES"):

@@ -31,6 +31,11 @@ from tensorflow.experimental import dtensor
 # tells their collectives from the others by it.
 GATHER_SCOPE = "tfmp_gather_on_use"
 
+# Name scope of the ops of tfmp's custom gradients: TensorFlow's own gradient
+# ops live under "gradient_tape/", which is how tfmp.comm_report tells the
+# backward pass from the forward one.
+BACKWARD_SCOPE = "gradient_tape"
+
 _forward = threading.local()
 
 
@@ -111,3 +116,19 @@ def compute_layout(layout: dtensor.Layout, gathered_axes: tuple[str, ...]) -> dt
         dtensor.UNSHARDED if spec in gathered_axes else spec for spec in layout.sharding_specs
     ]
     return dtensor.Layout(specs, layout.mesh)
+
+
+def batch_spec(inputs: Any, mesh: dtensor.Mesh, other_axis: str) -> str:
+    """The mesh axis the batch of `inputs` is split over, or UNSHARDED.
+
+    That is the running strategy's batch axis, unless it is `other_axis` (the
+    layer's own), missing from the mesh, or does not divide this batch (which
+    the strategy then runs whole on every device).
+    """
+    batch_axis = getattr(tf.distribute.get_strategy(), "batch_axis", None)
+    if batch_axis in (None, other_axis) or batch_axis not in mesh.dim_names:
+        return dtensor.UNSHARDED
+    size = inputs.shape[0]
+    if size is not None and size % mesh.dim_size(batch_axis):
+        return dtensor.UNSHARDED
+    return batch_axis

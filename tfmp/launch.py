@@ -75,6 +75,7 @@ def launch(
     Example:
 
     >>> from tfmp.launch import launch
+    >>> # Skipped when run: it starts two TensorFlow processes running a train.py.
     >>> launch(["python", "train.py"], num_processes=2, devices_per_process=4)  # doctest: +SKIP
     0
     """

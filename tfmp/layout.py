@@ -37,8 +37,8 @@ class LayoutMap(collections.abc.MutableMapping):
 
     Examples:
         >>> import tfmp
-        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))  # doctest: +SKIP
-        >>> layout_map = tfmp.LayoutMap(mesh)  # doctest: +SKIP
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+        >>> layout_map = tfmp.LayoutMap(mesh)
         >>> layout_map["dense_1/kernel"] = (None, "model")  # column-parallel
         >>> layout_map["dense_2/kernel"] = ("model", None)  # row-parallel
     """

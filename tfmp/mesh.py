@@ -27,7 +27,8 @@ class DeviceMesh:
 
     Examples:
         >>> import tfmp
-        >>> tfmp.simulate_devices(8)  # doctest: +SKIP
+        >>> tfmp.simulate_devices(8)
+        ['/device:CPU:0', ..., '/device:CPU:7']
         >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
         >>> mesh.axis_size("model")
         4

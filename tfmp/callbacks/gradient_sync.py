@@ -55,7 +55,7 @@ class GradientSyncMonitor(keras.callbacks.Callback):
 
     Examples:
         >>> monitor = tfmp.callbacks.GradientSyncMonitor(on_mismatch="stop")
-        >>> model.fit(x, y, epochs=3, callbacks=[monitor])  # doctest: +SKIP
+        >>> history = model.fit(x, y, epochs=3, callbacks=[monitor], verbose=0)
     """
 
     def __init__(

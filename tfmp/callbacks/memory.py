@@ -44,8 +44,9 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
 
     Examples:
         >>> monitor = tfmp.callbacks.DeviceMemoryMonitor(every_n_steps=10)
-        >>> model.fit(x, y, callbacks=[monitor])  # doctest: +SKIP
-        >>> history.history["mem/CPU_0/param_bytes"]  # doctest: +SKIP
+        >>> history = model.fit(x, y, callbacks=[monitor], verbose=0)
+        >>> history.history["mem/CPU_0/param_bytes"]
+        [...]
     """
 
     def __init__(

@@ -34,8 +34,9 @@ def plot_memory(history_or_logdir: Any, path: str) -> str:
         ImportError: If matplotlib is missing (`pip install "tfmp[plot]"`).
 
     Examples:
-        >>> history = model.fit(x, y, callbacks=[tfmp.callbacks.DeviceMemoryMonitor()])  # doctest: +SKIP
-        >>> tfmp.plot_memory(history, "memory.png")  # doctest: +SKIP
+        >>> history = model.fit(x, y, callbacks=[tfmp.callbacks.DeviceMemoryMonitor()], verbose=0)
+        >>> tfmp.plot_memory(history, "memory.png")
+        'memory.png'
     """
     try:
         import matplotlib

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -19,6 +20,7 @@ _OP_KINDS = {
     "CollectiveReduceScatterV2": "reduce-scatter",
     "CollectiveAllToAllV2": "all-to-all",
 }
+_READ_OP = re.compile(r"ReadVariableOp(_\d+)?")
 _DTENSOR_KINDS = {
     "DTensorAllReduceOp": "all-reduce",
     "DTensorAllGatherOp": "all-gather",
@@ -41,7 +43,9 @@ class Collective:
             (gradient synchronization over the batch axis), `"optimizer"`, or
             `"weight-gathers"` (a layer gathering a weight stored split over
             the batch axis as it reads it, and that gather's gradient).
-        bytes: Size of the tensor it reduces or gathers, per device.
+        bytes: Size of the tensor it reduces or gathers, per device: an
+            all-reduce's or reduce-scatter's input, an all-gather's output,
+            an all-to-all's buffer.
         lowered_as: The collective that runs: DTensor lowers an all-gather as
             an all-reduce of a zero-filled buffer on CPU and GPU, for one.
     """
@@ -109,8 +113,12 @@ def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> Com
         ValueError: If the model has no tfmp strategy or has not been fit yet.
 
     Examples:
-        >>> model.fit(x, y, epochs=1)  # doctest: +SKIP
-        >>> report = tfmp.comm_report(model)  # doctest: +SKIP
+        >>> history = model.fit(x, y, epochs=1, verbose=0)
+        >>> report = tfmp.comm_report(model)
+        category     phase     mesh axis  kind        count  bytes/device/step
+        ...
+        gradients    backward  batch      all-reduce  4      1,360
+        total ...
     """
     extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
     if not isinstance(extended, ModelParallelExtended):
@@ -184,10 +192,19 @@ def _collective(node, partition, mesh, optimizer, batch_axis) -> Collective:
     else:
         phase, category = "forward", "activations"
     # DTensor names the gather of a weight read in its compute layout after
-    # the read (or, where the read feeds a gather of rows, after tfmp's scope).
-    if phase == "forward" and (op.endswith("/ReadVariableOp") or GATHER_SCOPE in parts):
+    # the read (`ReadVariableOp`, `ReadVariableOp_1`, ... when a layer reads
+    # several), or, where the read feeds a gather of rows, after tfmp's scope.
+    if phase == "forward" and (_READ_OP.fullmatch(op.rpartition("/")[2]) or GATHER_SCOPE in parts):
         category = "weight-gathers"
-    return Collective(op or name, kind, axes, phase, category, _bytes(node), _OP_KINDS[node.op])
+    size = _bytes(node)
+    if node.op == "CollectiveReduceScatterV2":
+        size *= _group_size(axes, mesh)  # its output is one device's part of what it reduces
+    return Collective(op or name, kind, axes, phase, category, size, _OP_KINDS[node.op])
+
+
+def _group_size(axes: tuple[str, ...], mesh: Any) -> int:
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    return int(np.prod([sizes[axis] for axis in axes if axis in sizes]))
 
 
 def _bytes(node: Any) -> int:

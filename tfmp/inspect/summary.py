@@ -123,9 +123,11 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
         The printed text.
 
     Examples:
-        >>> tfmp.summary(model)  # doctest: +SKIP
-        variable      shape     layout           read as  per-device shape  bytes/device
-        dense/kernel  (16, 64)  (None, 'model')  same     (16, 16)          1,024
+        >>> text = tfmp.summary(model)
+        variable                   shape     layout           read as  per-device shape  bytes/device
+        ---...
+        sequential/dense/kernel    (16, 64)  (None, 'model')  same     (16, 16)          1,024
+        ...
     """
     rows = placements(model)
     table = [("variable", "shape", "layout", "read as", "per-device shape", "bytes/device")]

@@ -7,7 +7,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmp.layers.declaring import BACKWARD_SCOPE, DeclaresLayouts
+from tfmp.forward import BACKWARD_SCOPE
+from tfmp.layers.declaring import DeclaresLayouts
 from tfmp.layout import Axes
 
 

@@ -9,8 +9,8 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.layers.declaring import BACKWARD_SCOPE, DeclaresLayouts
-from tfmp.layers.mesh_context import batch_spec
+from tfmp.forward import BACKWARD_SCOPE, batch_spec
+from tfmp.layers.declaring import DeclaresLayouts
 from tfmp.layout import Axes
 from tfmp.lowering.conv import conv
 

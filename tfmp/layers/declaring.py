@@ -7,11 +7,6 @@ from typing import Any
 
 from tfmp.layout import Axes, declare_deferred, declared_layouts
 
-# Name scope of the ops of tfmp's custom gradients: TensorFlow's own gradient
-# ops live under "gradient_tape/", which is how tfmp.comm_report tells the
-# backward pass from the forward one.
-BACKWARD_SCOPE = "gradient_tape"
-
 
 class DeclaresLayouts:
     """Mixin for Keras layers that declare the layouts of their weights.

@@ -8,8 +8,8 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.layers.declaring import BACKWARD_SCOPE, DeclaresLayouts
-from tfmp.layers.mesh_context import batch_spec
+from tfmp.forward import BACKWARD_SCOPE, batch_spec
+from tfmp.layers.declaring import DeclaresLayouts
 from tfmp.layout import Axes, declared_layouts
 
 
@@ -24,7 +24,8 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
     (a plain `Embedding` with a vocabulary-split rule gathers the whole table
     each step instead). This costs `input_dim * output_dim` multiply-adds per
     token. The table's gradient is the rows of the batch, as `Embedding`'s, so
-    Keras' optimizers update only those rows and training matches `Embedding`.
+    Keras' optimizers see the same sparse gradient and training matches
+    `Embedding`.
 
     Args:
         input_dim: Vocabulary size, as `keras.layers.Embedding`.
@@ -70,8 +71,9 @@ class VocabParallelEmbedding(DeclaresLayouts, keras.layers.Embedding):
             one_hot = dtensor.relayout(one_hot, one_hot_layout)
 
             def grad(upstream: tf.Tensor) -> tf.IndexedSlices:
-                # The gradient Keras' Embedding has: rows of the batch, by id.
-                # Keras' TF optimizers update only those rows of the slots.
+                # The gradient Keras' Embedding has: rows of the batch, by id,
+                # which Keras' TF optimizers treat row by row (Adam squares
+                # each row before repeated ids are summed).
                 with tf.name_scope(BACKWARD_SCOPE):
                     return tf.IndexedSlices(
                         tf.reshape(upstream, [-1, self.output_dim]),

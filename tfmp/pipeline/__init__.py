@@ -1,1 +1,11 @@
-"""tfmp.pipeline: layer-wise model parallelism."""
+"""tfmp.pipeline: layer-wise model parallelism, applied on top of the strategy.
+
+Importing the package registers its `StageHooks` with the strategy
+(`tfmp.strategy.stage_hooks` says why a registration): from then on a
+`ModelParallelStrategy` whose mesh has a `"stage"` axis runs a pipeline.
+"""
+
+from tfmp.pipeline.strategy_hooks import make_stage_hooks
+from tfmp.strategy.stage_hooks import register_stages
+
+register_stages(make_stage_hooks)

@@ -10,7 +10,13 @@ from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from tfmp.forward import forward_mesh, forward_on
 from tfmp.mesh import DeviceMesh
-from tfmp.strategy.stages import StageMeshes, building_stage, move_to_stage
+from tfmp.pipeline.stages import (
+    StageMeshes,
+    building_stage,
+    move_to_stage,
+    move_variables_to_stage,
+    stage_of,
+)
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
@@ -80,8 +86,8 @@ class LayerGroup(keras.layers.Layer):
             for layer in self.group_layers:
                 outputs = layer(outputs)
         for variable in self.variables:
-            stage = getattr(variable, "_tfmp_stage", self.stage)
-            if stage != self.stage:
+            stage = stage_of(variable)
+            if stage is not None and stage != self.stage:
                 raise ValueError(
                     f"LayerGroup {self.name!r} (stage {self.stage}) holds weight "
                     f"{variable.path!r} of stage {stage}: a layer can belong to one "
@@ -94,7 +100,7 @@ class LayerGroup(keras.layers.Layer):
                 "forward pass did. Use recompute=False for this stage."
             )
         if self._stage_meshes is not None:
-            strategy.extended.move_to_stage_mesh(self.variables, self.stage)
+            move_variables_to_stage(strategy, self.variables, self.stage)
 
     def call(self, inputs: Any, arrived: bool = False) -> Any:
         """Runs the layers; `arrived`: the inputs are on this stage's devices

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+SCHEDULES = ("gpipe", "1f1b")
+
 
 class Action(NamedTuple):
     """One stage's forward or backward pass of one micro-batch."""

@@ -32,8 +32,9 @@ from tfmp.forward import MicrobatchedStep
 from tfmp.mesh import DeviceMesh
 from tfmp.pipeline.layer_group import LayerGroup, move_with_masks
 from tfmp.pipeline.schedule import Action, emission_order, stage_orders
+from tfmp.pipeline.stages import move_to_stage, scalars_on_stages
+from tfmp.pipeline.strategy_hooks import indivisible_batch
 from tfmp.strategy.placement import replicate
-from tfmp.strategy.stages import move_to_stage, scalars_on_stages
 
 
 def pipeline_groups(model: keras.Model) -> list[LayerGroup]:
@@ -353,11 +354,11 @@ def _split_tensor(
     # input batch first; each micro-batch is split over the batch axis again.
     whole = replicate(tensor, mesh.dtensor_mesh)
     size = whole.shape[0]
-    if size is None:  # known only as the step runs: checked then
+    if size is None:  # known only as the step runs
         size = tf.shape(whole)[0]
         whole = _tied(whole, _divisible_check(size, num_microbatches))
     elif size % num_microbatches:
-        raise ValueError(_indivisible(size, num_microbatches))
+        raise ValueError(indivisible_batch(size, num_microbatches))
     rows = size // num_microbatches
     rank = tensor.shape.rank
     parts = mesh.axis_size(batch_axis) if batch_axis in mesh.axis_names else 1
@@ -375,23 +376,17 @@ def _divisible_check(size: tf.Tensor, num_microbatches: int) -> tf.Tensor:
     """A zero that fails the step, with the ValueError's message, unless the
     batch's `size` divides by `num_microbatches`.
 
-    The micro-batches are tied to it, so that nothing computed from them
-    runs before the check passes: DTensor drops control dependencies (and a
-    `tf.debugging.assert_*` under `tf.control_dependencies` left DTensor
-    unable to infer the micro-batches' shapes).
+    The strategy checks every host batch before placing it
+    (`PipelineStages.check_host_batch`), so this fails only for a batch the
+    caller placed on the mesh, whose last rows would otherwise be dropped
+    without a word. The micro-batches are tied to it, so that nothing
+    computed from them runs before the check passes: DTensor drops control
+    dependencies (and a `tf.debugging.assert_*` under
+    `tf.control_dependencies` left DTensor unable to infer the micro-batches'
+    shapes).
     """
     zero_if_divisible = tf.where(size % num_microbatches == 0, 0.0, float("nan"))
-    return tf.debugging.check_numerics(zero_if_divisible, _indivisible(None, num_microbatches))
-
-
-def _indivisible(size: int | None, num_microbatches: int) -> str:
-    samples = "this step's samples" if size is None else f"{size} samples"
-    return (
-        f"A batch of {samples} does not split into num_microbatches="
-        f"{num_microbatches} equal micro-batches. Use a batch size that is a "
-        f"multiple of {num_microbatches}, and a data set whose size divides "
-        "by it (or drop_remainder=True in tf.data)."
-    )
+    return tf.debugging.check_numerics(zero_if_divisible, indivisible_batch(None, num_microbatches))
 
 
 def _microbatch_rows(x: Any, num_microbatches: int) -> int | None:

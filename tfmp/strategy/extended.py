@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
 
+from tfmp import integrations
 from tfmp.auto_layout import auto_layout
 from tfmp.layout import LayoutMap, axes_to_layout, declared_layout
 from tfmp.mesh import DeviceMesh
@@ -17,7 +19,7 @@ from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
-from tfmp.strategy.stages import StageMeshes, current_stage, stage_scalars
+from tfmp.strategy.stage_hooks import StageHooks
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.variable_layout import (
     fully_sharded,
@@ -38,22 +40,26 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         mesh: DeviceMesh,
         layout_map: LayoutMap,
         batch_axis: str | None,
+        stages: StageHooks,
         auto_axis: str | None = None,
-        stage_meshes: StageMeshes | None = None,
         fully_shard: bool = False,
     ):
         super().__init__(container_strategy)
         self.mesh = mesh
         self.layout_map = layout_map
         self.auto_axis = auto_axis
-        self.stage_meshes = stage_meshes
+        # Which mesh holds each variable, and what a pipeline changes (tfmp.pipeline).
+        self.stages = stages
         # Where everything outside a pipeline stage lives, and outputs leave from.
-        self.home_mesh = stage_meshes.last if stage_meshes else mesh
+        self.home_mesh = stages.home_mesh
         self.placer = BatchPlacer(
             self.home_mesh.dtensor_mesh,
             batch_axis,
-            first_mesh=stage_meshes.meshes[0].dtensor_mesh if stage_meshes else None,
+            input_mesh=stages.input_mesh.dtensor_mesh,
+            check_rows=self._check_host_batch,
         )
+        # Whether the batches placed now feed training steps (see `feeding`).
+        self._batches_train = True
         self.fully_shard_axis = batch_axis if fully_shard else None
         self.first_step_graphs = FirstStepGraphs()
         self._checked_layout_map = False
@@ -73,14 +79,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             if keras_variable is None
             else keras_variable.path
         )
-        stage = getattr(colocate_with, "stage", None)
-        if stage is None:
-            stage = getattr(keras_variable, "_tfmp_stage", None)
-        if stage is None:
-            stage = current_stage()
-        if self.stage_meshes is None:
-            stage = None
-        mesh = self.home_mesh if stage is None else self.stage_meshes.meshes[stage]
+        stage = self.stages.stage_of_new_variable(keras_variable, colocate_with)
+        mesh = self.stages.mesh_of(stage)
 
         def initial_value_on_mesh():
             # Computed on the host so that each device only ever holds its shard.
@@ -99,8 +99,6 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             )
             return to_layout(value, layout)
 
-        if keras_variable is not None and stage is not None:
-            keras_variable._tfmp_stage = stage  # noqa: SLF001
         with dtensor.default_mesh(mesh.dtensor_mesh):
             return MeshVariable(
                 initial_value_on_mesh, path=path, placer=self.placer, stage=stage, **kwargs
@@ -114,6 +112,20 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         """
         self.apply_auto_layouts(model)
         self.first_step_graphs = first_step_graphs_of(model)
+
+    @contextlib.contextmanager
+    def feeding(self, trains: bool) -> Iterator[None]:
+        """Whether the batches placed in the block feed training steps (fit,
+        `train_on_batch`) or not (evaluate, predict): the stage hooks'
+        batch check is told. Outside any such block batches count as training."""
+        previous, self._batches_train = self._batches_train, trains
+        try:
+            yield
+        finally:
+            self._batches_train = previous
+
+    def _check_host_batch(self, rows: int) -> None:
+        self.stages.check_host_batch(rows, trains=self._batches_train)
 
     def apply_auto_layouts(self, model: Any) -> None:
         """With `layout_map="auto"`: plans the model's layouts and moves its
@@ -134,40 +146,27 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             match = plan.match(variable.path)
             if match is None:
                 continue
-            mesh = self.stage_mesh(variable.value.stage)
+            mesh = self.stages.mesh_of(variable.value.stage)
             layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
             if self.fully_shard_axis is not None and variable.dtype.startswith("float"):
                 layout = fully_sharded(layout, variable.shape, self.fully_shard_axis)
-            variable._value = self._relaid(variable.value, layout)  # noqa: SLF001
+            self.move_variable(variable, layout)
         self.layout_map = plan
 
-    def stage_mesh(self, stage: int | None) -> DeviceMesh:
-        """The mesh of pipeline stage `stage`; the home mesh for None."""
-        return self.home_mesh if stage is None else self.stage_meshes.meshes[stage]
-
-    def move_to_stage_mesh(self, variables: Any, stage: int) -> None:
-        """Moves Keras variables of a pipeline stage that were made before its
-        layers were built (a dropout's seed state) to that stage's mesh."""
-        mesh = self.stage_mesh(stage)
-        for variable in variables:
-            variable._tfmp_stage = stage  # noqa: SLF001
-            if variable.value.stage != stage:
-                layout = dtensor.Layout(variable.value.layout.sharding_specs, mesh.dtensor_mesh)
-                variable._value = self._relaid(variable.value, layout, stage)  # noqa: SLF001
-
-    def _relaid(
-        self, variable: MeshVariable, layout: dtensor.Layout, stage: int | None = None
-    ) -> MeshVariable:
-        stage = variable.stage if stage is None else stage
+    def move_variable(self, variable: Any, layout: dtensor.Layout, stage: int | None = None) -> None:
+        """Gives a Keras variable a new value with `layout`, held by `stage`
+        (by default the stage that holds it now): for a planned layout, or a
+        pipeline stage's variable made before its stage was known."""
+        value = variable.value
         with dtensor.default_mesh(layout.mesh):
-            return MeshVariable(
-                to_layout(variable.read_value(), layout),
-                path=variable.path,
+            variable._value = MeshVariable(  # noqa: SLF001
+                to_layout(value.read_value(), layout),
+                path=value.path,
                 placer=self.placer,
-                stage=stage,
-                name=variable.name.split(":")[0],
-                trainable=variable.trainable,
-                dtype=variable.dtype,
+                stage=value.stage if stage is None else stage,
+                name=value.name.split(":")[0],
+                trainable=value.trainable,
+                dtype=value.dtype,
             )
 
     def _validate_colocate_with_variable(self, colocate_with_variable: Any) -> None:
@@ -245,24 +244,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _update(self, var, fn, args, kwargs, group):
         if args:
             args = (_gradient_for(var, args[0]),) + tuple(args[1:])
-        stage = getattr(var, "stage", None)
-        if stage is None or self.stage_meshes is None:
-            return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
-        # A pipeline stage's weight: its update reads values of the optimizer's
-        # (learning rate, step count) as copies on the weight's own mesh.
-        # Keras passes (gradient, learning rate): the gradient is already there.
-        mesh = self.stage_mesh(stage)
-        args = tuple(args[:1]) + tuple(self._home_value_to(a, mesh) for a in args[1:])
-        with stage_scalars(stage):
-            return self._update_non_slot(var, fn, (var,) + args, kwargs, group)
-
-    def _home_value_to(self, value: Any, mesh: DeviceMesh) -> Any:
-        """A replicated value of the home mesh, copied onto `mesh`."""
-        if not isinstance(value, tf.Tensor) or value.shape.rank != 0 or mesh == self.home_mesh:
-            return value
-        return dtensor.copy_to_mesh(
-            replicate(value, self.home_mesh.dtensor_mesh), dtensor.Layout.replicated(mesh.dtensor_mesh, 0)
-        )
+        fn = self.stages.update_on_stage(var, fn)  # a pipeline stage's weight: on its mesh
+        return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with
@@ -296,9 +279,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         """How many parts the clients read of a batch, and this client's part."""
         if self.placer.batch_axis is None:
             return 1, 0
-        input_mesh = self.stage_meshes.meshes[0] if self.stage_meshes else self.mesh
         return input_pipelines(
-            input_mesh.client_positions(self.placer.batch_axis),
+            self.stages.input_mesh.client_positions(self.placer.batch_axis),
             dtensor.client_id(),
             self.placer.batch_axis,
         )
@@ -329,16 +311,48 @@ def _gradient_for(var: Any, gradient: Any) -> Any:
     tf_keras' legacy optimizers write with fused kernels (`ResourceApplyAdam`,
     ...) straight into the variable's handle; DTensor does not relayout their
     inputs, and a gradient laid out unlike its variable crashed the process.
-    A no-op when the gradient has the layout already.
+    A no-op when the gradient has the layout already. A sparse gradient gets
+    its rows on every device (`_rows_on_every_device`).
     """
-    if (
-        isinstance(var, MeshVariable)
-        and isinstance(gradient, tf.Tensor)
-        and gradient.shape == var.shape
-        and not tf.executing_eagerly()
-    ):
+    if not isinstance(var, MeshVariable) or tf.executing_eagerly():
+        return gradient
+    if isinstance(gradient, tf.IndexedSlices):
+        return _rows_on_every_device(var, gradient)
+    if isinstance(gradient, tf.Tensor) and gradient.shape == var.shape:
         return dtensor.relayout(gradient, var.layout)
     return gradient
+
+
+def _rows_on_every_device(var: MeshVariable, gradient: tf.IndexedSlices) -> tf.IndexedSlices:
+    """`gradient` (rows of `var`, an embedding's) with every row on every
+    device, its other dimensions split as `var`'s.
+
+    Keras' optimizers sum a sparse gradient's rows by index into a table-sized
+    tensor (Adam twice: the rows, then their squares). The rows come split
+    over the batch axis like the batch, so each device would sum its own and
+    DTensor all-reduce the whole table at every sum. With the rows gathered
+    first, each device sums all of them, in one device's order, straight into
+    its part of the table: one gather of the rows, no table-sized reduction.
+    Kept as is when the gradient has as many rows as the table or more, where
+    reducing the table moves fewer bytes.
+
+    The rows are made replicated first: DTensor also propagates a
+    relayout's layout back into the ops that made its input, and pushed
+    back there, a split layout made it mis-expand a `Tile` (an embedding
+    stored `("model", "batch")` under a pooling layer) or a `ConcatV2` (a
+    pipeline's sum of micro-batches' rows).
+    """
+    rows = gradient.values.shape[0]
+    if rows is None or rows >= var.shape[0] or gradient.values.shape.rank != var.shape.rank:
+        return gradient
+    mesh = var.layout.mesh
+    values = dtensor.relayout(gradient.values, dtensor.Layout.replicated(mesh, var.shape.rank))
+    values_layout = dtensor.Layout([dtensor.UNSHARDED, *var.layout.sharding_specs[1:]], mesh)
+    return tf.IndexedSlices(
+        dtensor.relayout(values, values_layout),
+        dtensor.relayout(gradient.indices, dtensor.Layout.replicated(mesh, 1)),
+        gradient.dense_shape,
+    )
 
 
 def extended_of(strategy: Any) -> ModelParallelExtended | None:
@@ -349,11 +363,9 @@ def extended_of(strategy: Any) -> ModelParallelExtended | None:
 
 def _install_host_fed_loops() -> None:
     """tf_keras and Orbit distribute their data before they make their step
-    functions; both read batches inside them, which tfmp's cannot be."""
-    from tfmp.strategy import orbit_loops, tf_keras_hooks  # they build on this module
-
-    tf_keras_hooks.install_tf_keras()
-    orbit_loops.install_orbit()
+    functions (both read batches inside them, which tfmp's cannot be), and
+    may have been imported after the strategy was made."""
+    integrations.install()
 
 
 def scoped_name(name: str | None) -> str:

@@ -5,12 +5,14 @@ tensors, which DTensor refuses to mix with mesh variables. tfmp wraps
 `Layer.__call__` and those methods once so that, for a model whose variables
 live on a tfmp mesh, host inputs are packed onto the mesh (split over the batch
 axis), the call runs as a function on the mesh, and outputs come back whole.
-A pipeline model's `train_step` and `test_step` run stage by stage
-(`tfmp.pipeline.steps`). `fit`, `evaluate`, `predict` and the `*_on_batch`
-methods first tell the
+`fit`, `evaluate`, `predict` and the `*_on_batch` methods first tell the
 model's strategy which model runs (to lay it out with `layout_map="auto"`, and
-to keep its first step's graphs for `tfmp.comm_report`). Anything else passes
-through untouched.
+to keep its first step's graphs for `tfmp.comm_report`), and whether the
+batches they feed train it (a pipeline checks that a training batch splits
+into its micro-batches). Anything else passes through untouched. A pipeline
+model's `train_step` and `test_step` are the pipeline's
+(`tfmp.pipeline.keras_hooks`). Which Keras attribute each wrapper replaces
+is declared in `tfmp.integrations.keras`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow.core import Variable as TensorFlowVariable
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from tfmp import distributed
@@ -36,31 +35,16 @@ from tfmp.strategy import errors
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
+from tfmp.strategy.step_errors import with_step_errors
 from tfmp.strategy.variable_layout import creating
 
-_installed = False
 _state = threading.local()
 
-
-def install() -> None:
-    """Wraps the Keras entry points once per process."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    keras.layers.Layer.__call__ = _eager_call(keras.layers.Layer.__call__)
-    for name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
-        setattr(TensorFlowTrainer, name, _on_batch(getattr(TensorFlowTrainer, name)))
-    for name in ("fit", "evaluate", "predict"):
-        setattr(TensorFlowTrainer, name, _prepared(getattr(TensorFlowTrainer, name)))
-    for name in ("train_step", "test_step"):
-        setattr(TensorFlowTrainer, name, _pipelined(getattr(TensorFlowTrainer, name)))
-    for name in ("save", "save_weights"):
-        setattr(keras.Model, name, _chief_writes(getattr(keras.Model, name)))
-    TensorFlowVariable._initialize = _announced(TensorFlowVariable._initialize)
+# The Keras methods whose batches train the model.
+_TRAINING_METHODS = ("fit", "train_on_batch")
 
 
-def _announced(initialize: Callable) -> Callable:
+def announced(initialize: Callable) -> Callable:
     """Keras creates a variable's `tf.Variable` here: the strategy's creator
     is told which Keras variable it is creating."""
 
@@ -86,17 +70,29 @@ def placer_for(layer: Any) -> BatchPlacer | None:
     return None
 
 
-def _prepare(model: Any) -> None:
+@contextlib.contextmanager
+def _running(model: Any, method: str) -> Iterator[None]:
+    """Tells the model's tfmp strategy, if any, that `model` runs Keras'
+    `method` in the block."""
     extended = extended_of(getattr(model, "_distribute_strategy", None))
-    if extended is not None:
-        extended.prepare(model)
+    if extended is None:
+        yield
+        return
+    extended.prepare(model)
+    with extended.feeding(trains=method in _TRAINING_METHODS):
+        yield
 
 
-def _prepared(method: Callable) -> Callable:
+def prepared(method: Callable) -> Callable:
+    signature = inspect.signature(method)
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        _prepare(self)
-        with explained_errors(self):
+        if method.__name__ in ("fit", "evaluate") and placer_for(self) is not None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.arguments["callbacks"] = with_step_errors(bound.arguments.get("callbacks"))
+            args, kwargs = bound.args[1:], bound.kwargs
+        with _running(self, method.__name__), explained_errors(self):
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -114,27 +110,7 @@ def explained_errors(model: Any) -> Iterator[None]:
         raise errors.explain(error, model) from None
 
 
-def _pipelined(step: Callable) -> Callable:
-    """Runs a pipeline model's training and test steps stage by stage."""
-
-    @functools.wraps(step)
-    def wrapper(self, data):
-        extended = extended_of(getattr(self, "_distribute_strategy", None))
-        if extended is None or extended.stage_meshes is None:
-            return step(self, data)
-        if tf.executing_eagerly():
-            raise ValueError(
-                f"Model {self.name!r} is a pipeline, whose stages meet inside one "
-                "compiled function: compile it without run_eagerly=True."
-            )
-        from tfmp.pipeline import steps  # the pipeline builds on the strategy
-
-        return getattr(steps, step.__name__)(self, data)
-
-    return wrapper
-
-
-def _chief_writes(save: Callable) -> Callable:
+def chief_writes(save: Callable) -> Callable:
     """In a multi-client run every client gathers the values to save (the
     gathers are collectives), but only client 0 writes the file."""
 
@@ -160,7 +136,7 @@ def _has_host_array(structure: Any) -> bool:
     return False
 
 
-def _eager_call(layer_call: Callable) -> Callable:
+def eager_call(layer_call: Callable) -> Callable:
     @functools.wraps(layer_call)
     def __call__(self, *args, **kwargs):
         if not tf.executing_eagerly():
@@ -226,25 +202,28 @@ def _mesh_function(layer: Any, layer_call: Callable) -> Callable:
     return function
 
 
-def _on_batch(method: Callable) -> Callable:
+def on_batch(method: Callable) -> Callable:
     signature = inspect.signature(method)
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        _prepare(self)
-        placer = placer_for(self)
-        if placer is None:
-            return method(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        data = bound.arguments
-        if data.get("class_weight") is not None and data.get("sample_weight") is None:
-            data["sample_weight"] = data_adapter_utils.class_weight_to_sample_weights(
-                data["y"], data.pop("class_weight")
-            )
-        for name in ("x", "y", "sample_weight"):
-            if name in data:
-                data[name] = placer.place(data[name], targets=name != "x")
-        with explained_errors(self):
-            return method(*bound.args, **bound.kwargs)
+        with _running(self, method.__name__):
+            placer = placer_for(self)
+            if placer is None:
+                return method(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            data = bound.arguments
+            if data.get("class_weight") is not None and data.get("sample_weight") is None:
+                from keras.src.trainers.data_adapters import data_adapter_utils
+
+                data["sample_weight"] = data_adapter_utils.class_weight_to_sample_weights(
+                    data["y"], data.pop("class_weight")
+                )
+            placer.check_batch(data["x"])
+            for name in ("x", "y", "sample_weight"):
+                if name in data:
+                    data[name] = placer.place(data[name], targets=name != "x")
+            with explained_errors(self):
+                return method(*bound.args, **bound.kwargs)
 
     return wrapper

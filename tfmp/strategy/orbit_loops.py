@@ -14,31 +14,11 @@ trip.
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any, Callable
 
 import tensorflow as tf
 
 from tfmp.strategy.input import MeshDataset, OneBatch
-
-_installed = False
-
-
-def install_orbit() -> None:
-    """Wraps Orbit's loop factories once per process; a no-op without Orbit."""
-    global _installed
-    orbit = sys.modules.get("orbit")
-    if _installed or orbit is None:
-        return
-    _installed = True
-    trainer, evaluator = orbit.StandardTrainer, orbit.StandardEvaluator
-    trainer.create_train_loop_fn = _fed_loop(
-        trainer.create_train_loop_fn, "train_dataset", "train_step", "_train_options"
-    )
-    evaluator.create_eval_loop_fn = _fed_loop(
-        evaluator.create_eval_loop_fn, "eval_dataset", "eval_step", "_eval_options"
-    )
-
 
 def _fed_loop(
     create_loop_fn: Callable, dataset_name: str, step_name: str, options_name: str
@@ -60,3 +40,13 @@ def _fed_loop(
         return loop_fns.create_loop_fn(fed_step)
 
     return wrapper
+
+
+def fed_train_loop(create_train_loop_fn: Callable) -> Callable:
+    """`StandardTrainer.create_train_loop_fn`, feeding tfmp batches from Python."""
+    return _fed_loop(create_train_loop_fn, "train_dataset", "train_step", "_train_options")
+
+
+def fed_eval_loop(create_eval_loop_fn: Callable) -> Callable:
+    """`StandardEvaluator.create_eval_loop_fn`, feeding tfmp batches from Python."""
+    return _fed_loop(create_eval_loop_fn, "eval_dataset", "eval_step", "_eval_options")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -94,22 +94,30 @@ class BatchPlacer:
     single-device result for a partial last batch. When whole batches do not
     divide, a warning says that data parallelism is lost and how to fix it.
 
-    In a pipeline, inputs go to the first stage's mesh and targets and sample
-    weights to the last stage's, where the loss is computed.
+    Inputs may go to another mesh than targets and sample weights (in a
+    pipeline, the first stage's; the loss is computed on the last stage's).
 
     Args:
-        mesh: The DTensor mesh (of a pipeline, the last stage's).
+        mesh: The DTensor mesh of targets and sample weights.
         batch_axis: Name of the mesh axis that splits the batch, or None.
-        first_mesh: A pipeline's first-stage mesh, or None.
+        input_mesh: The DTensor mesh of inputs; None: `mesh`.
+        check_rows: Called with the rows of each `(x, y, sample_weight)`
+            batch (all clients' rows) before it is placed; raises ValueError
+            for a batch that cannot run.
     """
 
     def __init__(
-        self, mesh: dtensor.Mesh, batch_axis: str | None, first_mesh: dtensor.Mesh | None = None
+        self,
+        mesh: dtensor.Mesh,
+        batch_axis: str | None,
+        input_mesh: dtensor.Mesh | None = None,
+        check_rows: Callable[[int], None] | None = None,
     ):
         self.mesh = mesh
-        self.input_mesh = first_mesh or mesh
+        self.input_mesh = input_mesh or mesh
         self.batch_axis = batch_axis
         self.batch_parts = mesh.dim_size(batch_axis) if batch_axis else 1
+        self._check_rows = check_rows
         self._warned = False
 
     def place(
@@ -128,12 +136,25 @@ class BatchPlacer:
         )
 
     def place_batch(self, batch: Any, is_last_batch: bool = True, local_rows: bool = False) -> Any:
-        """Packs an `(x, y, sample_weight)` batch: `x` as inputs, the rest as targets."""
+        """Checks and packs an `(x, y, sample_weight)` batch: `x` as inputs,
+        the rest as targets."""
+        self.check_batch(batch, local_rows)
         if self.input_mesh is self.mesh or not isinstance(batch, tuple) or len(batch) < 2:
             return self.place(batch, is_last_batch, local_rows=local_rows)
         return (self.place(batch[0], is_last_batch, local_rows=local_rows),) + self.place(
             batch[1:], is_last_batch, targets=True, local_rows=local_rows
         )
+
+    def check_batch(self, batch: Any, local_rows: bool = False) -> None:
+        """Runs `check_rows` on a host batch's rows (with `local_rows`, the
+        batch is this client's rows of a global batch)."""
+        first = next(
+            (v for v in tf.nest.flatten(batch) if _is_array(v) and not dtensor.is_dtensor(v)), None
+        )
+        if self._check_rows is None or first is None or not len(first.shape):
+            return
+        rows = first.shape[0]
+        self._check_rows(rows * self.local_parts() if local_rows else rows)
 
     def local_parts(self) -> int:
         """How many clients' parts (distinct position sets) a batch has."""

@@ -7,17 +7,14 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmp import lowering
+from tfmp import integrations
 from tfmp.layout import LayoutMap, as_layout_map
 from tfmp.mesh import DeviceMesh, as_device_mesh
-from tfmp.strategy import keras_hooks
 from tfmp.strategy.extended import ModelParallelExtended
-from tfmp.strategy.stages import StageMeshes
+from tfmp.strategy.stage_hooks import stage_hooks_for
 
 _DEFAULT_BATCH_AXIS = "batch"
-_STAGE_AXIS = "stage"
 _TENSOR_AXIS = "model"
-SCHEDULES = ("gpipe", "1f1b")
 
 
 class ModelParallelStrategy(tf.distribute.Strategy):
@@ -60,7 +57,8 @@ class ModelParallelStrategy(tf.distribute.Strategy):
 
     Examples:
         >>> import keras, tfmp
-        >>> tfmp.simulate_devices(8)  # doctest: +SKIP
+        >>> tfmp.simulate_devices(8)
+        ['/device:CPU:0', ..., '/device:CPU:7']
         >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
         >>> layout_map = tfmp.LayoutMap(mesh)
         >>> layout_map["dense/kernel"] = (None, "model")
@@ -73,7 +71,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         ...         keras.layers.Dense(4, name="dense_1"),
         ...     ])
         ...     model.compile(optimizer="adam", loss="mse")
-        >>> model.fit(x, y, batch_size=32)  # doctest: +SKIP
+        >>> history = model.fit(x, y, batch_size=32, verbose=0)
     """
 
     def __init__(
@@ -86,11 +84,10 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         fully_shard: bool = False,
     ):
         mesh = as_device_mesh(mesh)
-        stage_meshes = StageMeshes(mesh, _STAGE_AXIS) if _STAGE_AXIS in mesh.axis_names else None
-        _check_pipeline_arguments(stage_meshes, num_microbatches, schedule)
+        stages = stage_hooks_for(mesh, num_microbatches, schedule)
         self.num_microbatches = num_microbatches
         self.schedule = schedule
-        batch_axis = _resolve_batch_axis(mesh, batch_axis)
+        batch_axis = _resolve_batch_axis(mesh, batch_axis, stages.stage_axis)
         if fully_shard and batch_axis is None:
             raise ValueError(
                 f"fully_shard=True shards weights over the batch axis, but this "
@@ -111,13 +108,12 @@ class ModelParallelStrategy(tf.distribute.Strategy):
                 mesh,
                 as_layout_map(layout_map, mesh),
                 batch_axis,
+                stages,
                 auto_axis,
-                stage_meshes,
                 fully_shard=fully_shard,
             )
         )
-        keras_hooks.install()
-        lowering.install()
+        integrations.install()
 
     @classmethod
     def from_keras(cls, distribution: Any, **kwargs: Any) -> "ModelParallelStrategy":
@@ -145,7 +141,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             TypeError: If `distribution` is neither of these.
 
         Examples:
-            >>> import keras, keras_hub, tfmp  # doctest: +SKIP
+            >>> import keras, keras_hub, tfmp
             >>> mesh = keras.distribution.DeviceMesh(
             ...     (2, 4), ("batch", "model"), keras.distribution.list_devices())
             >>> layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
@@ -153,7 +149,10 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             ...     layout_map=layout_map, batch_dim_name="batch")
             >>> strategy = tfmp.ModelParallelStrategy.from_keras(distribution)
             >>> with strategy.scope():
-            ...     backbone = keras_hub.models.GemmaBackbone(...)
+            ...     backbone = keras_hub.models.GemmaBackbone(
+            ...         vocabulary_size=64, num_layers=1, num_query_heads=4,
+            ...         num_key_value_heads=4, hidden_dim=16, intermediate_dim=64,
+            ...         head_dim=4)
         """
         if isinstance(distribution, keras.distribution.ModelParallel):
             # Keras has no public getter for a ModelParallel's layout map.
@@ -180,9 +179,10 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         return self.extended.mesh
 
     @property
-    def stage_meshes(self) -> StageMeshes | None:
-        """Each pipeline stage's mesh, if the mesh has a `"stage"` axis."""
-        return self.extended.stage_meshes
+    def stage_meshes(self) -> Any:
+        """Each pipeline stage's mesh (a `tfmp.pipeline.stages.StageMeshes`),
+        if the mesh has a `"stage"` axis; else None."""
+        return self.extended.stages.stage_meshes
 
     @property
     def layout_map(self) -> LayoutMap:
@@ -194,12 +194,6 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         """The mesh axis that splits each batch, or None."""
         return self.extended.placer.batch_axis
 
-    def summary(self, model: Any, print_fn: Any = None) -> str:
-        """Prints the layout and per-device bytes of each variable: `tfmp.summary`."""
-        from tfmp.inspect.summary import summary
-
-        return summary(model, print_fn=print_fn)
-
     def __repr__(self) -> str:
         return (
             f"ModelParallelStrategy({self.mesh!r}, layout_map with "
@@ -207,9 +201,12 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         )
 
 
-def _resolve_batch_axis(mesh: DeviceMesh, batch_axis: str | None) -> str | None:
+def _resolve_batch_axis(
+    mesh: DeviceMesh, batch_axis: str | None, stage_axis: str | None
+) -> str | None:
     """The mesh axis that splits batches, or None; refuses a default that would
-    leave an axis of the mesh computing copies of the same batch."""
+    leave an axis of the mesh computing copies of the same batch (the stage
+    axis computes no copies: its devices hold different stages)."""
     if batch_axis is None or batch_axis in mesh.axis_names:
         return batch_axis
     if batch_axis != _DEFAULT_BATCH_AXIS:
@@ -217,7 +214,7 @@ def _resolve_batch_axis(mesh: DeviceMesh, batch_axis: str | None) -> str | None:
     idle = [
         name
         for name in mesh.axis_names
-        if name not in (_TENSOR_AXIS, _STAGE_AXIS) and mesh.axis_size(name) > 1
+        if name not in (_TENSOR_AXIS, stage_axis) and mesh.axis_size(name) > 1
     ]
     if idle:
         raise ValueError(
@@ -228,28 +225,3 @@ def _resolve_batch_axis(mesh: DeviceMesh, batch_axis: str | None) -> str | None:
             "batch_axis=None if your layout rules split weights over it."
         )
     return None
-
-
-def _check_pipeline_arguments(
-    stage_meshes: StageMeshes | None, num_microbatches: Any, schedule: Any
-) -> None:
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches!r}: use an integer >= 1.")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}.")
-    if stage_meshes is None:
-        if num_microbatches > 1:
-            raise ValueError(
-                f"num_microbatches={num_microbatches} needs a pipeline: give the mesh "
-                f"a {_STAGE_AXIS!r} axis, e.g. tfmp.DeviceMesh((2, 4), "
-                f"('{_STAGE_AXIS}', 'model')), and build the model from "
-                "tfmp.layers.LayerGroup stages."
-            )
-        return
-    if schedule == "1f1b" and num_microbatches < stage_meshes.num_stages:
-        raise ValueError(
-            f"schedule='1f1b' with num_microbatches={num_microbatches} and "
-            f"{stage_meshes.num_stages} stages: 1F1B needs at least one micro-batch "
-            f"per stage. Use num_microbatches >= {stage_meshes.num_stages}, or "
-            "schedule='gpipe'."
-        )

@@ -3,9 +3,10 @@
 Model Garden and other tf_keras code train under a tfmp strategy as they are;
 two things tf_keras does cannot run on a mesh, and tfmp changes them for
 models and optimizers under a tfmp strategy only:
-- its step functions read batches inside `tf.function` (see `install_tf_keras`);
+- its step functions read batches inside `tf.function` (see `fed_batches`);
 - its legacy optimizers apply an embedding's sparse gradient with scatters
-  and sparse kernels that DTensor cannot lay out (see `_dense_gradients`).
+  and sparse kernels that DTensor cannot lay out (see `dense_gradients`).
+Both are installed through `tfmp.integrations.tf_keras`.
 """
 
 from __future__ import annotations
@@ -20,34 +21,16 @@ from tfmp.strategy.extended import extended_of
 from tfmp.strategy.input import OneBatch
 from tfmp.strategy.variable import dense_rows
 
-_installed = False
 
-
-def install_tf_keras() -> None:
-    """Makes tf_keras (Keras 2) models read their batches outside the step,
-    and its legacy optimizers apply sparse gradients dense.
+def fed_batches(make_function: Callable) -> Callable:
+    """tf_keras' `make_*_function`: under a tfmp strategy the step function
+    reads each batch eagerly and hands it to the same compiled step.
 
     tf_keras' step function calls `next(iterator)` inside its `tf.function`;
     the strategy's iterator is a Python one (each batch packed onto the mesh on
-    the host), which a trace would read once and keep as a constant. tf_keras
-    models under a tfmp strategy instead read each batch eagerly and hand it to
-    the same step function as an argument. Called as tf_keras distributes its
-    data, so before it makes its step functions; a no-op without tf_keras.
+    the host), which a trace would read once and keep as a constant.
     """
-    global _installed
-    tf_keras = sys.modules.get("tf_keras")
-    if _installed or tf_keras is None:
-        return
-    _installed = True
-    model_class = tf_keras.Model
-    for name in ("make_train_function", "make_test_function", "make_predict_function"):
-        setattr(model_class, name, _fed_batches(getattr(model_class, name), name))
-    legacy = tf_keras.optimizers.legacy.Optimizer
-    legacy.apply_gradients = _dense_gradients(legacy.apply_gradients)
-
-
-def _fed_batches(make_function: Callable, name: str) -> Callable:
-    attribute = name.replace("make_", "")
+    attribute = make_function.__name__.replace("make_", "")
 
     @functools.wraps(make_function)
     def wrapper(self, force=False):
@@ -77,7 +60,7 @@ def _fed_batches(make_function: Callable, name: str) -> Callable:
     return wrapper
 
 
-def _dense_gradients(apply_gradients: Callable) -> Callable:
+def dense_gradients(apply_gradients: Callable) -> Callable:
     """A legacy optimizer under tfmp applies a sparse gradient made dense.
 
     Its sparse path scatters into the variable's handle (`ResourceScatterAdd`)

@@ -6,11 +6,10 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import ops
 from tensorflow.experimental import dtensor
 
 from tfmp.forward import GATHER_SCOPE, compute_layout, forward_mesh
-from tfmp.strategy.placement import replicate, to_layout
+from tfmp.strategy.placement import to_layout
 
 
 class MeshVariable(dtensor.DVariable):
@@ -76,20 +75,21 @@ class MeshVariable(dtensor.DVariable):
         return dense_rows(sparse_delta, self.shape[0], self.dtype)
 
     def numpy(self) -> np.ndarray:
-        return replicate(self.read_value()).numpy()
+        return gathered_axis_by_axis(self.read_value()).numpy()
 
     def __array__(self, dtype=None, copy=None):
         del copy  # numpy() already returns a fresh host copy
         return np.asarray(self.numpy(), dtype=dtype)
 
 
-def _sparse_passing_relayout_gradient(relayout_gradient: Any) -> Any:
+def sparse_passing_relayout_gradient(relayout_gradient: Any) -> Any:
     """DTensor's gradient of `Relayout`, letting a sparse gradient through.
 
     A weight read in its compute layout (an embedding table) gets a sparse
     gradient; DTensor's own Relayout gradient makes it dense, and Keras'
-    optimizers update a sparse gradient's rows only (Adam's moments of the
-    other rows do not decay), so single-device numbers need it kept sparse.
+    optimizers treat a sparse gradient's rows one by one (Adam squares each
+    row before summing rows of the same id: a repeated id adds its squares,
+    not the square of its sum), so single-device numbers need it kept sparse.
     The gradient of a relayout is the identity, whatever its layout.
     """
 
@@ -98,13 +98,25 @@ def _sparse_passing_relayout_gradient(relayout_gradient: Any) -> Any:
             return grad
         return relayout_gradient(op, grad)
 
-    gradient.tfmp_wrapped = relayout_gradient
     return gradient
 
 
-_relayout_entry = ops._gradient_registry._registry["Relayout"]  # noqa: SLF001
-if not hasattr(_relayout_entry["type"], "tfmp_wrapped"):
-    _relayout_entry["type"] = _sparse_passing_relayout_gradient(_relayout_entry["type"])
+def gathered_axis_by_axis(value: tf.Tensor) -> tf.Tensor:
+    """`value`, an eager DTensor, replicated by one relayout per split dimension.
+
+    With `LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2` set, DTensor lowers a
+    relayout that gathers two mesh axes at once wrongly: a 2-D `("model",
+    "batch")` weight read whole came back with its shards misplaced, higher
+    ranks fail to compile. One mesh axis per relayout is exact with either
+    lowering and moves the same bytes.
+    """
+    layout = dtensor.fetch_layout(value)
+    specs = list(layout.sharding_specs)
+    for dim, spec in enumerate(specs):
+        if spec != dtensor.UNSHARDED:
+            specs[dim] = dtensor.UNSHARDED
+            value = dtensor.relayout(value, dtensor.Layout(specs, layout.mesh))
+    return value
 
 
 def dense_rows(sparse: tf.IndexedSlices, rows: int, dtype: tf.DType | None = None) -> tf.Tensor:

@@ -7,6 +7,9 @@ its sub-mesh. DTensor moves a value between meshes only when it is replicated
 (a sharded value fails inside DTensor's all-scatter), so an activation leaves
 its stage replicated, is copied to the next stage's mesh and split over that
 stage's batch axis again there, which needs no communication.
+
+A Keras variable records the stage it belongs to (`stage_of`), which a
+`LayerGroup` checks: a layer shared by two stages is refused.
 """
 
 from __future__ import annotations
@@ -71,6 +74,26 @@ def building_stage(stage: int) -> contextlib.AbstractContextManager:
 def current_stage() -> int | None:
     """The stage whose variables are being created, if any."""
     return getattr(_current, "stage", None)
+
+
+def stage_of(keras_variable: Any) -> int | None:
+    """The stage recorded on a Keras variable, if any."""
+    return getattr(keras_variable, "_tfmp_stage", None)
+
+
+def record_stage(keras_variable: Any, stage: int) -> None:
+    keras_variable._tfmp_stage = stage  # noqa: SLF001
+
+
+def move_variables_to_stage(strategy: tf.distribute.Strategy, variables: Any, stage: int) -> None:
+    """Moves Keras variables of a pipeline stage that were made before its
+    layers were built (a dropout's seed state) to that stage's mesh."""
+    mesh = strategy.stage_meshes.meshes[stage]
+    for variable in variables:
+        record_stage(variable, stage)
+        if variable.value.stage != stage:
+            layout = dtensor.Layout(variable.value.layout.sharding_specs, mesh.dtensor_mesh)
+            strategy.extended.move_variable(variable, layout, stage)
 
 
 def move_to_stage(value: tf.Tensor, source: DeviceMesh, target: DeviceMesh, batch_axis: str | None) -> tf.Tensor:
