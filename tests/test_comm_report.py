@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tfmp
 from helpers import build_layers_lm, build_mlp, compile_mlp, lm_data, mesh, mlp_data, mlp_layout_map
-from tfmp.inspect.comm_report import _collective
+from tfmp.inspect.comm_report import CommReport, _collective
 from tfmp.inspect.summary import bytes_per_device
 
 
@@ -96,6 +96,25 @@ def test_reduce_scatter_counts_the_tensor_it_reduces():
     assert (collective.axes, collective.category) == (("batch",), "gradients")
     assert collective.bytes == 2 * 8 * 16 * 4
     assert collective.wire_bytes(2) == 8 * 16 * 4
+
+
+def test_unknown_sizes_and_groups_are_named():
+    """A collective whose shape was unknown when traced, or whose group table
+    the graph does not hold, is listed by name, not counted as 0 bytes or a
+    "?" axis without a word."""
+    device_mesh = mesh((2, 4))
+    partition = tf.compat.v1.GraphDef()
+    node = partition.node.add(
+        name="m/dense/MatMul/DTensorAllReduceOp", op="CollectiveReduceV2",
+        input=["x", "group_size", "missing_group_table"],
+    )
+    node.attr["T"].type = tf.float32.as_datatype_enum
+    node.attr["_output_shapes"].list.shape.add().CopyFrom(tf.TensorShape([None, 16]).as_proto())
+    collective = _collective(node, partition, device_mesh, "adam", "batch")
+    assert (collective.unknown, collective.axes, collective.bytes) == (("size", "group"), (), 0)
+    report = CommReport([collective])
+    assert report.unread() == [collective]
+    assert "m/dense/MatMul (all-reduce): unknown size and group" in str(report)
 
 
 def test_report_needs_a_trained_model():

@@ -141,6 +141,9 @@ def step_traffic(model: Any) -> dict[str, float]:
         "sync/activation_bytes": 0.0,
         "sync/weight_gather_bytes": 0.0,
         "sync/collectives": float(len(report.collectives)),
+        # Collectives whose size or group tfmp could not read: their bytes
+        # are missing from the figures above (tfmp.comm_report names them).
+        "sync/unread_collectives": float(len(report.unread())),
     }
     for collective in report.collectives:
         traffic[f"sync/{_TRAFFIC_KINDS[collective.category]}_bytes"] += collective.bytes

@@ -48,6 +48,9 @@ class Collective:
             an all-to-all's buffer.
         lowered_as: The collective that runs: DTensor lowers an all-gather as
             an all-reduce of a zero-filled buffer on CPU and GPU, for one.
+        unknown: What tfmp could not read from the step's graph: `"size"`
+            (a dimension unknown when the step was traced; `bytes` is then
+            0) and/or `"group"` (`axes` is then empty).
     """
 
     op: str
@@ -57,6 +60,7 @@ class Collective:
     category: str
     bytes: int
     lowered_as: str = ""
+    unknown: tuple[str, ...] = ()
 
     def wire_bytes(self, group_size: int) -> float:
         """Bytes each device sends (and receives) with ring algorithms over
@@ -90,7 +94,18 @@ class CommReport:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
         lines.insert(1, "-" * len(lines[0]))
+        unread = self.unread()
+        if unread:
+            lines.append(
+                f"{len(unread)} collective(s) tfmp could not read whole (an unknown size "
+                "counts 0 bytes above, an unknown group no mesh axis):"
+            )
+            lines += [f"  {c.op} ({c.kind}): unknown {' and '.join(c.unknown)}" for c in unread]
         return "\n".join(lines)
+
+    def unread(self) -> list[Collective]:
+        """The collectives whose size or group the step's graph did not give."""
+        return [c for c in self.collectives if c.unknown]
 
 
 def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> CommReport:
@@ -197,9 +212,14 @@ def _collective(node, partition, mesh, optimizer, batch_axis) -> Collective:
     if phase == "forward" and (_READ_OP.fullmatch(op.rpartition("/")[2]) or GATHER_SCOPE in parts):
         category = "weight-gathers"
     size = _bytes(node)
+    unknown = tuple(
+        what for what, missing in (("size", size is None), ("group", axes is None)) if missing
+    )
+    axes = axes or ()
+    size = size or 0
     if node.op == "CollectiveReduceScatterV2":
         size *= _group_size(axes, mesh)  # its output is one device's part of what it reduces
-    return Collective(op or name, kind, axes, phase, category, size, _OP_KINDS[node.op])
+    return Collective(op or name, kind, axes, phase, category, size, _OP_KINDS[node.op], unknown)
 
 
 def _group_size(axes: tuple[str, ...], mesh: Any) -> int:
@@ -207,23 +227,25 @@ def _group_size(axes: tuple[str, ...], mesh: Any) -> int:
     return int(np.prod([sizes[axis] for axis in axes if axis in sizes]))
 
 
-def _bytes(node: Any) -> int:
+def _bytes(node: Any) -> int | None:
+    """The node's output bytes, or None where its shape is not fully known."""
     dtype = tf.as_dtype(node.attr["T"].type)
     shapes = node.attr["_output_shapes"].list.shape
     if not shapes or any(d.size < 0 for d in shapes[0].dim):
-        return 0
+        return None
     return int(np.prod([d.size for d in shapes[0].dim])) * dtype.size
 
 
-def _group_axes(node: Any, partition: Any, mesh: Any) -> tuple[str, ...]:
-    """The mesh axes along which the devices of the node's groups differ.
+def _group_axes(node: Any, partition: Any, mesh: Any) -> tuple[str, ...] | None:
+    """The mesh axes along which the devices of the node's groups differ, or
+    None where the graph does not say.
 
     DTensor computes the group key from a constant table, one entry per device
     of the mesh: devices with equal entries form a group.
     """
     table = _group_table(node.input[2], partition, mesh.size)
     if table is None:
-        return ("?",)
+        return None
     coordinates = np.array(np.unravel_index(np.arange(mesh.size), mesh.shape)).T
     varying = set()
     for group in np.unique(table):
