@@ -355,10 +355,11 @@ _RECURRENT = (
 def _planner(layer: Any) -> Callable[[_Plan, Any], None] | None:
     """The rule for a layer's weights, or None (open it, or replicate it).
     Order matters: the most specific classes first."""
-    from tfmp.layers.declaring import DeclaresLayouts  # layers build on this module
-
+    # tfmp's layers (which build on this module) declare their layouts
+    # through `weight_layouts()`.
+    if callable(getattr(layer, "weight_layouts", None)):
+        return _plan_declared
     table: tuple[tuple[Any, Callable[[_Plan, Any], None]], ...] = (
-        (DeclaresLayouts, _plan_declared),
         (keras.layers.Embedding, _plan_embedding),
         (keras.layers.MultiHeadAttention, _plan_attention),
         (keras.layers.EinsumDense, _plan_einsum),
