@@ -12,28 +12,36 @@ The plan, as a reader would write it by hand:
 |                                        | parallel (inputs); siblings with the same    |
 |                                        | shape (a gate and its up-projection) all     |
 |                                        | column-parallel before their row partner     |
+| BatchNorm, DepthwiseConv in a pair     | split on channels with the pair              |
 | last Dense, vocabulary wide            | column-parallel (split on the vocabulary)    |
-| DepthwiseConv, SeparableConv           | split on channels (no communication)          |
+| SeparableConv                          | depthwise on channels, pointwise row-parallel|
+| mixture-of-experts bank                | split on experts                             |
 | LSTM, GRU, SimpleRNN, ConvLSTM cells   | split on gate units                          |
 | anything else                          | replicated (norms, biases of row layers)     |
 
-Layers are visited in call order in models and in the order they were
-created inside other layers (KerasHub blocks, custom layers), so a block's
-projections pair as written. Layers without weights between two Dense layers
+Layers are visited in call order in functional models (their ops too) and in
+the order they were created inside other layers (KerasHub blocks, custom
+layers), so a block's projections pair as written. A pair is two layers of
+one block, or of two sibling blocks. Layers without weights between them
 (activations, dropout) keep them a pair; a layer with weights in between
-breaks the pair. A dimension that does not divide by the axis size is left
-whole, with the reason recorded. Every layout planned here is one tfmp runs
-(through `tfmp.lowering` where DTensor needs help).
+(other than a per-channel one), a pooling or a resize (visited, or called by
+the block), breaks it, as DTensor pools and resizes only a batch split. A
+dimension that does not divide by the axis size is left whole, with the
+reason recorded. Every layout planned here is one tfmp runs (through
+`tfmp.lowering` where DTensor needs help).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import re
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import keras
+from keras.src.models.functional import Functional
 
 from tfmp.layout import Axes, LayoutMap
 from tfmp.mesh import as_device_mesh
@@ -68,6 +76,10 @@ class _Plan:
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
     vocabularies: set[int] = dataclasses.field(default_factory=set)
     columns: list[_Projection] = dataclasses.field(default_factory=list)  # awaiting a row partner
+    channelwise: list[Any] = dataclasses.field(default_factory=list)  # between columns and row
+    columns_in: tuple[Any, ...] = ()  # the blocks the columns are in, outermost first
+    step: Any = None  # the _Visit being planned
+    pooled: bool = False  # a pooling or resize since the last projection
     last_dense: Any = None  # the model's output Dense: maybe a vocabulary head
 
     def divides(self, variable: Any, dim: int) -> bool:
@@ -109,10 +121,12 @@ def auto_layout(model: Any, mesh: Any, axis: str = "model") -> LayoutMap:
         `layout_map.reasons` says, per variable left whole, why.
 
     Examples:
-        >>> layout_map = tfmp.auto_layout(model, mesh)  # doctest: +SKIP
-        >>> strategy = tfmp.ModelParallelStrategy(mesh, layout_map)  # doctest: +SKIP
+        >>> layout_map = tfmp.auto_layout(model, mesh)
+        >>> strategy = tfmp.ModelParallelStrategy(mesh, layout_map)
         >>> with strategy.scope():  # same layer names, so the rules match
-        ...     model = keras.Model.from_config(model.get_config())  # doctest: +SKIP
+        ...     model = keras.models.clone_model(model)
+        >>> model.get_layer("dense").kernel.value.layout.sharding_specs
+        ['unsharded', 'model']
     """
     mesh = as_device_mesh(mesh)
     mesh.check_axis(axis, what="auto_layout axis")
@@ -121,7 +135,8 @@ def auto_layout(model: Any, mesh: Any, axis: str = "model") -> LayoutMap:
             f"auto_layout needs a built model; {model.name!r} has no weights yet. "
             "Give it a keras.Input or call model.build(input_shape) first."
         )
-    plan = plan_layers(leaf_layers(model), axis, mesh.axis_size(axis))
+    plan = plan_layers(visits(model), axis, mesh.axis_size(axis))
+    _drop_rules_of_shared_paths(plan, model.weights)
     layout_map = LayoutMap(mesh)
     for path, axes in plan.rules.items():
         # Anchored: "proj/kernel" must not also match "out_proj/kernel".
@@ -137,22 +152,136 @@ def auto_layout(model: Any, mesh: Any, axis: str = "model") -> LayoutMap:
     return layout_map
 
 
-def leaf_layers(layer: Any) -> list[Any]:
-    """The layers the plan visits: those it has a rule for, and the layers
-    of others opened (models in call order, other layers in the order they
-    made their sublayers). A layer with weights of its own is visited too."""
-    return list(_leaves(layer))
+def _drop_rules_of_shared_paths(plan: _Plan, weights: Iterable[Any]) -> None:
+    """A rule names a path, and it lays out every variable with that path.
+    Two sub-models may give variables the same path (CLIP's vision and text
+    towers both have `encoder_block_0/...`): their rule stays only if it
+    fits every shape they have."""
+    shapes: dict[str, set[tuple[int, ...]]] = {}
+    for variable in weights:
+        shapes.setdefault(variable.path, set()).add(tuple(variable.shape))
+    for path, axes in list(plan.rules.items()):
+        misfits = sorted(shape for shape in shapes[path] if not _fits(axes, shape, plan.size))
+        if misfits:
+            del plan.rules[path]
+            plan.reasons[path] = (
+                f"path shared by variables of shapes {sorted(shapes[path])}: the rule "
+                f"{axes} does not fit {misfits}; left replicated"
+            )
 
 
-def _leaves(layer: Any) -> Iterator[Any]:
-    children = layer.layers if isinstance(layer, keras.Model) else _sublayers(layer)
-    for child in children:
-        if _planner(child) is not None or not _sublayers(child):
-            yield child
+def _fits(axes: Axes, shape: tuple[int, ...], size: int) -> bool:
+    return len(axes) == len(shape) and all(
+        axis is None or dim % size == 0 for axis, dim in zip(axes, shape)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Visit:
+    """A layer the plan visits (in a functional model, an op too), and the
+    models and layers it was found in, outermost first."""
+
+    layer: Any
+    containers: tuple[Any, ...]
+
+
+def visits(model: Any) -> list[_Visit]:
+    """What the plan visits, in order: the layers it has a rule for, and the
+    layers of others opened (functional models' layers and ops in call order,
+    other layers' sublayers in the order they were made). A layer with
+    weights of its own is visited too."""
+    return list(_visits(model))
+
+
+def _visits(layer: Any, outer: tuple[Any, ...] = ()) -> Iterator[_Visit]:
+    containers = outer + (layer,)
+    for child in _children(layer):
+        opaque = not isinstance(child, keras.layers.Layer) or not _sublayers(child)
+        if opaque or _planner(child) is not None:
+            yield _Visit(child, containers)
             continue
         if _own_weights(child):
-            yield child
-        yield from _leaves(child)
+            yield _Visit(child, containers)
+        yield from _visits(child, containers)
+
+
+def _children(layer: Any) -> list[Any]:
+    if isinstance(layer, Functional):
+        return list(layer._operations)  # noqa: SLF001  (its ops too: a resize is one)
+    if isinstance(layer, keras.Model):
+        return list(layer.layers)
+    return _sublayers(layer)
+
+
+def _may_pair(columns_in: tuple[Any, ...], row_in: tuple[Any, ...]) -> bool:
+    """A column and its row partner are two layers of one block, or of two
+    sibling blocks (DeiT's `mlp` and `output_layer`). Made in order but
+    further apart, they are often not one after the other in the data:
+    DepthAnything's neck makes, in a row, convolutions of its fusion stages.
+    Sibling blocks a block keeps in a list are parallel branches or a chain."""
+    if columns_in == row_in:
+        return True
+    siblings = len(columns_in) == len(row_in) and columns_in[:-1] == row_in[:-1]
+    return (
+        siblings
+        and not _listed(columns_in[-1], columns_in[-2])
+        and not _listed(row_in[-1], row_in[-2])
+    )
+
+
+def _listed(layer: Any, container: Any) -> bool:
+    """Whether `container` keeps `layer` in a list or dict attribute (an FPN's
+    per-level convolutions): such layers are parallel branches, or a chain,
+    in an order the plan cannot see, so they pair with nothing."""
+    for name, value in vars(container).items():
+        if name.startswith("_") or not isinstance(value, (list, tuple, dict)):
+            continue
+        items = value.values() if isinstance(value, dict) else value
+        if any(item is layer for item in items):
+            return True
+    return False
+
+
+def _blocks_around(columns_in: tuple[Any, ...], row_in: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The blocks whose `call` runs what lies between a column and its row:
+    their one block, or their two sibling blocks and the parent calling both."""
+    if columns_in == row_in:
+        return columns_in[-1:]
+    return columns_in[-2:] + row_in[-1:]
+
+
+def _hides_whole_channel_ops(containers: Iterable[Any]) -> bool:
+    """Whether one of these blocks' `call` pools or resizes (itself or in a
+    function it calls): the plan does not see those ops, and a pair around
+    them would hand them split channels (DepthAnything's head resizes
+    between two convolutions). A functional model's ops are visited instead."""
+    return any(
+        not _is_graph(container) and _calls_whole_channel_op(type(container).call)
+        for container in containers
+    )
+
+
+_WHOLE_CHANNEL_CALL = re.compile(r"resize\w*|(max|avg|average)_pool\w*")
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_whole_channel_op(function: Any, depth: int = 1) -> bool:
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    for name in code.co_names:
+        if _WHOLE_CHANNEL_CALL.fullmatch(name):
+            return True
+        helper = function.__globals__.get(name)
+        if depth and inspect.isfunction(helper) and _calls_whole_channel_op(helper, depth - 1):
+            return True
+    return False
+
+
+def _is_graph(layer: Any) -> bool:
+    """A functional or Sequential model: every op between two of its layers
+    is one of its layers or ops, which the plan sees."""
+    return isinstance(layer, (Functional, keras.Sequential))
 
 
 def _sublayers(layer: Any) -> list[Any]:
@@ -163,14 +292,24 @@ def _own_weights(layer: Any) -> list[Any]:
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)  # noqa: SLF001
 
 
-def plan_layers(layers: Iterable[Any], axis: str, size: int) -> _Plan:
+def plan_layers(steps: Iterable[_Visit], axis: str, size: int) -> _Plan:
     """Walks layers in order and plans the layout of their weights."""
-    layers = list(layers)
+    steps = list(steps)
     plan = _Plan(axis, size)
-    denses = [layer for layer in layers if isinstance(layer, keras.layers.Dense)]
-    plan.last_dense = denses[-1] if denses else None
-    for layer in layers:
-        if not layer.weights:
+    # The output head is the last layer with weights; a vocabulary-wide Dense
+    # before other layers (PaliGemma's image projection is as wide as its
+    # patch positions) feeds them, and would hand them split features.
+    weighted = [step.layer for step in steps if getattr(step.layer, "weights", None)]
+    if weighted and isinstance(weighted[-1], keras.layers.Dense):
+        plan.last_dense = weighted[-1]
+    for step in steps:
+        layer, plan.step = step.layer, step
+        if plan.columns and not _may_pair(plan.columns_in, step.containers):
+            _end_pair(plan)  # past its block: what comes next is not its partner
+        if _needs_whole_channels(layer):
+            _end_pair(plan)  # DTensor pools and resizes a batch split only
+            plan.pooled = True
+        if not getattr(layer, "weights", None):
             continue  # activations, dropout, adds: a Dense pair stays a pair
         planner = _planner(layer)
         if planner is None:
@@ -187,15 +326,29 @@ def plan_layers(layers: Iterable[Any], axis: str, size: int) -> _Plan:
 
 def _plan_projection(plan: _Plan, projection: _Projection) -> None:
     layer = projection.layer
+    plan.pooled = False  # its output's layout is its own, whatever follows
+    if len(plan.step.containers) > 1 and _listed(layer, plan.step.containers[-1]):
+        _end_pair(plan)
+        plan.keep(layer, "one of a list of layers (parallel branches or a chain): no partner")
+        return
     if plan.columns and projection.inputs == plan.columns[0].outputs:
-        columns, plan.columns = plan.columns, []
+        columns, channelwise = plan.columns, plan.channelwise
+        plan.columns, plan.channelwise = [], []
+        if _hides_whole_channel_ops(_blocks_around(plan.columns_in, plan.step.containers)):
+            for pending in [column.layer for column in columns] + channelwise + [layer]:
+                plan.keep(pending, "its block pools or resizes between column and row: replicated")
+            return
         if plan.split(projection.kernel, projection.in_dim, "row-parallel after column-parallel"):
             for column in columns:
                 _split_column(plan, column)
+            for between in channelwise:
+                for variable in between.weights:
+                    dim = _channel_dim(variable, columns[0].outputs)
+                    plan.split(variable, dim, "per-channel layer between column and row")
             plan.keep(layer, "bias of a row-parallel layer: added once, replicated")
         else:
-            for column in columns:
-                plan.keep(column.layer, "its row-parallel partner could not be split")
+            for pending in [column.layer for column in columns] + channelwise:
+                plan.keep(pending, "its row-parallel partner could not be split")
         return
     if plan.columns and (projection.inputs, projection.outputs) == (
         plan.columns[0].inputs,
@@ -207,7 +360,7 @@ def _plan_projection(plan: _Plan, projection: _Projection) -> None:
     if layer is plan.last_dense and projection.outputs in plan.vocabularies:
         _split_column(plan, projection, "vocabulary head split on the vocabulary")
         return
-    plan.columns = [projection]
+    plan.columns, plan.columns_in = [projection], plan.step.containers
 
 
 def _split_column(plan: _Plan, column: _Projection, why: str = "column-parallel") -> None:
@@ -217,10 +370,36 @@ def _split_column(plan: _Plan, column: _Projection, why: str = "column-parallel"
             plan.split(bias, 0, why)
 
 
+
+
 def _end_pair(plan: _Plan) -> None:
-    for column in plan.columns:
-        plan.keep(column.layer, "no Dense follows it to make a column/row pair")
-    plan.columns = []
+    for pending in [column.layer for column in plan.columns] + plan.channelwise:
+        plan.keep(pending, "no Dense follows it to make a column/row pair")
+    plan.columns, plan.channelwise = [], []
+
+
+def _plan_channelwise(plan: _Plan, layer: Any) -> None:
+    """A layer that treats each channel on its own (BatchNormalization, a
+    depthwise convolution) keeps a column/row pair a pair: its weights split
+    like the channels it gets. Outside a pair it stays whole, as its split
+    output would reach layers that need the channels whole (pooling)."""
+    channels = plan.columns[0].outputs if plan.columns else None
+    if channels is not None and all(_channel_dim(v, channels) is not None for v in layer.weights):
+        plan.channelwise.append(layer)
+        return
+    _end_pair(plan)
+    plan.keep(layer, f"{type(layer).__name__} not between a column/row pair: replicated")
+
+
+def _channel_dim(variable: Any, channels: int) -> int | None:
+    """The dimension of `channels` in a per-channel weight: a vector's only
+    one, or a depthwise kernel's (..., channels, 1) input channels."""
+    shape = tuple(variable.shape)
+    if shape == (channels,):
+        return 0
+    if len(shape) >= 3 and shape[-2:] == (channels, 1):
+        return len(shape) - 2
+    return None
 
 
 def _plan_dense(plan: _Plan, layer: Any) -> None:
@@ -237,18 +416,18 @@ def _plan_conv(plan: _Plan, layer: Any) -> None:
     _plan_projection(plan, _Projection(layer, layer.kernel, -1 if transpose else -2, -2 if transpose else -1))
 
 
-def _plan_depthwise(plan: _Plan, layer: Any) -> None:
-    """Depthwise and separable convolutions split their channels: each device
-    convolves its own channels, no communication."""
+def _plan_separable(plan: _Plan, layer: Any) -> None:
+    """A separable convolution splits its channels: each device convolves its
+    own channels, and the pointwise part, row-parallel, sums them. Right
+    after a pooling it stays whole: DTensor would split the pooling's output
+    channels to feed it (Xception's first separable block)."""
     _end_pair(plan)
-    kernel = layer.kernel if isinstance(layer, _DEPTHWISE_ONLY) else layer.depthwise_kernel
-    why = "depthwise convolution split on channels"
-    if plan.split(kernel, -2, why):
-        pointwise = getattr(layer, "pointwise_kernel", None)
-        if pointwise is not None:
-            plan.split(pointwise, -2, "pointwise convolution, row-parallel by channels")
-        elif getattr(layer, "bias", None) is not None:
-            plan.split(layer.bias, 0, why)
+    pooled, plan.pooled = plan.pooled, False
+    if pooled:
+        plan.keep(layer, "reads a pooling's output, which DTensor cannot split: replicated")
+        return
+    if plan.split(layer.depthwise_kernel, -2, "depthwise convolution split on channels"):
+        plan.split(layer.pointwise_kernel, -2, "pointwise convolution, row-parallel by channels")
     plan.keep(layer, "bias of a separable convolution: added once, replicated")
 
 
@@ -330,6 +509,31 @@ def _plan_recurrent(plan: _Plan, layer: Any) -> None:
     plan.keep(layer, "recurrent layer weight outside its cell's kernels")
 
 
+def _is_expert_bank(layer: Any) -> bool:
+    """A mixture of experts' bank: a layer without sublayers whose weights
+    all stack one matrix (or vector) per expert, (experts, ...), matrices
+    among them. KerasHub's expert layers apply them with einsums over all
+    experts."""
+    weights = _own_weights(layer)
+    leading = {int(v.shape[0]) if len(v.shape) >= 2 else None for v in weights}
+    return (
+        not _sublayers(layer)
+        and len(leading) == 1
+        and None not in leading
+        and leading.pop() > 1
+        and any(len(v.shape) == 3 for v in weights)
+    )
+
+
+def _plan_experts(plan: _Plan, layer: Any) -> None:
+    """Expert parallelism: each device holds whole experts, so their
+    projections (fused or interleaved gates included) run without
+    communication; combining the experts' outputs sums over devices."""
+    _end_pair(plan)
+    for variable in layer.weights:
+        plan.split(variable, 0, "mixture-of-experts bank split on experts")
+
+
 def _plan_declared(plan: _Plan, layer: Any) -> None:
     _end_pair(plan)
     plan.keep(layer, "a tfmp layer: declares its own layouts")
@@ -340,8 +544,8 @@ _TRANSPOSED_CONVS = (
     keras.layers.Conv2DTranspose,
     keras.layers.Conv3DTranspose,
 )
-_DEPTHWISE_ONLY = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
-_DEPTHWISE = _DEPTHWISE_ONLY + (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
+_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+_SEPARABLE = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
 _RECURRENT = (
     keras.layers.LSTM,
     keras.layers.GRU,
@@ -364,7 +568,9 @@ def _planner(layer: Any) -> Callable[[_Plan, Any], None] | None:
         (keras.layers.MultiHeadAttention, _plan_attention),
         (keras.layers.EinsumDense, _plan_einsum),
         (keras.layers.Dense, _plan_dense),
-        (_DEPTHWISE, _plan_depthwise),
+        (keras.layers.BatchNormalization, _plan_channelwise),
+        (_DEPTHWISE, _plan_channelwise),
+        (_SEPARABLE, _plan_separable),
         (_RECURRENT, _plan_recurrent),
         (keras.layers.Bidirectional, _plan_recurrent),
         (keras.layers.RNN, _plan_recurrent),
@@ -373,7 +579,22 @@ def _planner(layer: Any) -> Callable[[_Plan, Any], None] | None:
     for kinds, planner in table:
         if isinstance(layer, kinds):
             return planner
-    return None
+    return _plan_experts if _is_expert_bank(layer) else None
+
+
+def _needs_whole_channels(layer: Any) -> bool:
+    """Layers and ops DTensor runs only on a batch split ("Only replicated or
+    batch parallel layout is supported in expansion of tf.MaxPool", "All
+    operands and outputs must be batch parallel" for ResizeBilinear): a pair
+    around them would hand them split channels. Nearest upsampling repeats
+    rows, which DTensor splits."""
+    from keras.src.layers.pooling.base_pooling import BasePooling
+    from keras.src.ops.image import Resize
+    from keras.src.ops.nn import AveragePool, MaxPool
+
+    if isinstance(layer, keras.layers.UpSampling2D):
+        return layer.interpolation != "nearest"
+    return isinstance(layer, (BasePooling, keras.layers.Resizing, Resize, AveragePool, MaxPool))
 
 
 def _convolutions() -> tuple[type, ...]:
