@@ -185,17 +185,16 @@ def test_gathers_lowered_as_gathers_train_exactly(monkeypatch):
     time it compiles a function) every weight gather is a gather collective,
     half the bytes of DTensor's default (an all-reduce of a zero-filled
     buffer), and training stays exact: each gathers one mesh axis, the case
-    DTensor lowers right. Reading weights gathers one axis at a time too,
-    since a relayout gathering two axes at once (the ("model", "batch")
-    embedding read whole) comes back misplaced with that lowering."""
+    DTensor lowers right. Reading weights and predictions gathers one axis
+    at a time too, since a relayout gathering two axes at once (the
+    ("model", "batch") embedding read whole) comes back misplaced with that
+    lowering."""
     monkeypatch.setenv("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", "1")
     device_mesh = mesh((2, 4))
     strategy = tfmp.ModelParallelStrategy(
         device_mesh, tfmp.LayoutMap(device_mesh), fully_shard=True
     )
-    # Not predict: its outputs leave the step replicated by one relayout,
-    # which gathers "batch" and "model" at once.
-    model = fit_both("layers", strategy, predict=False)
+    model = fit_both("layers", strategy)
     assert model.get_layer("embed").embeddings.value.layout.sharding_specs == ["model", "batch"]
     report = tfmp.comm_report(model, print_fn=lambda _: None)
     gathers = [c for c in report.collectives if c.category == "weight-gathers"]

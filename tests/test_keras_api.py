@@ -32,7 +32,21 @@ def pair(strategy):
     return build_on(None, "mlp", WEIGHTS), build_on(strategy, "mlp", WEIGHTS)
 
 
-def test_tf_data_with_validation_data_and_steps_per_execution(strategy):
+def test_tf_data_with_validation_data_and_steps_per_execution(strategy, monkeypatch):
+    """Three steps per function call (the last call of an epoch takes the one
+    batch left), for training and validation alike, exactly as one device
+    that takes its batches one call each."""
+    from tfmp.strategy import steps_per_call
+
+    read = steps_per_call._read
+    batches_per_call = []
+
+    def counted(iterator, count):
+        batches = read(iterator, count)
+        batches_per_call.append(len(batches))
+        return batches
+
+    monkeypatch.setattr(steps_per_call, "_read", counted)
     x, y = mlp_data(96)
     train = tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(16)
     valid = tf.data.Dataset.from_tensor_slices((x[64:], y[64:])).batch(8)
@@ -45,6 +59,8 @@ def test_tf_data_with_validation_data_and_steps_per_execution(strategy):
     for key in ("loss", "val_loss"):
         np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
     assert_weights_close(ref.get_weights(), got.get_weights())
+    # Per epoch: 4 training batches, then 4 validation batches.
+    assert batches_per_call == [3, 1, 3, 1] * 2
 
 
 def test_numpy_with_validation_split_sample_weight(strategy):

@@ -61,3 +61,30 @@ def test_dataset_of_unknown_length(strategy):
     np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-5)
     assert int(got.optimizer.iterations.numpy()) == 12
     assert got.predict(unknown, verbose=0).shape == (50, 8)
+
+
+def test_the_next_batch_is_on_the_mesh_before_it_is_asked_for():
+    """While a step runs, the following batch is read and placed: by the time
+    Keras asks for batch k+1 it is on the mesh, laid out as the last batch
+    only if it is the last."""
+    from tensorflow.experimental import dtensor
+
+    reads = []
+
+    def record(x):
+        reads.append(int(x[0]))
+        return x
+
+    dataset = tf.data.Dataset.range(24).batch(8).map(
+        lambda x: tf.py_function(record, [x], tf.int64)
+    )
+    iterator = iter(strategy_on((8, 1)).experimental_distribute_dataset(dataset))
+    first = next(iterator)
+    iterator._ahead.result()  # noqa: SLF001 (the worker's placement in flight)
+    # Batch 0 was handed over; batch 1 is placed and batch 2 read to know
+    # that batch 1 is not the last.
+    assert reads == [0, 8, 16]
+    assert dtensor.fetch_layout(first).sharding_specs == ["batch"]
+    assert [int(dtensor.unpack(next(iterator))[0][0]) for _ in range(2)] == [8, 16]
+    with pytest.raises(StopIteration):
+        next(iterator)

@@ -10,6 +10,7 @@ import threading
 import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfmp.mesh import DeviceMesh, as_device_mesh
@@ -284,3 +285,35 @@ def axes_to_layout(
 def layout_axes(layout: dtensor.Layout) -> Axes:
     """The mesh axis (or None) of each dimension of a DTensor layout."""
     return tuple(None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs)
+
+
+def replicated(value: Any, mesh: dtensor.Mesh) -> Any:
+    """`value`, a DTensor on `mesh`, whole on every device of it.
+
+    Gathered so that each relayout gathers one mesh axis where possible. With
+    real gathers (`LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2`) DTensor
+    lowers a relayout that gathers two mesh axes at once wrongly when the
+    dimensions are split in another order than the mesh's axes (a `("model",
+    "batch")` tensor comes back with its shards misplaced) and fails to
+    compile one of rank 3 or more. One axis per relayout is exact with either
+    lowering and moves the same bytes.
+
+    Eagerly the layout is known: one relayout per split dimension. Inside a
+    function it is not, and DTensor allows one `MATCH` (keep as it is) per
+    layout: first every dimension but the first is gathered, then the first;
+    exact for a tensor split on its first dimension and at most one other
+    (an activation split over the batch and one feature axis).
+    """
+    rank = value.shape.rank
+    if not rank:
+        return value
+    if tf.executing_eagerly():
+        specs = list(dtensor.fetch_layout(value).sharding_specs)
+        for dim, spec in enumerate(specs):
+            if spec != dtensor.UNSHARDED:
+                specs[dim] = dtensor.UNSHARDED
+                value = dtensor.relayout(value, dtensor.Layout(specs, mesh))
+        return value
+    keep_first = [dtensor.MATCH] + [dtensor.UNSHARDED] * (rank - 1)
+    value = dtensor.relayout(value, dtensor.Layout(keep_first, mesh))
+    return dtensor.relayout(value, dtensor.Layout.replicated(mesh, rank))

@@ -51,6 +51,14 @@ PATCHES = (
         )
         for name in ("train_step", "test_step")
     ),
+    Patch(
+        _TRAINER,
+        "_make_function",
+        "tfmp.strategy.steps_per_call:steps_per_call",
+        "steps_per_execution=k runs k steps in one function call: Keras calls "
+        "its one-step function k times for a dataset it cannot loop over in a graph.",
+        parameters=("step_function",),
+    ),
     *(
         Patch(
             "keras.src.models.model:Model",

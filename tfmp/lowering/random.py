@@ -48,6 +48,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.framework import tensor_util
 
 from tfmp.forward import MicrobatchedStep, forward_mesh, microbatched_step
+from tfmp.layout import replicated
 from tfmp.lowering.registry import Lowering, keras_original
 
 
@@ -56,7 +57,7 @@ def _replicated(value: Any) -> Any:
     numbers are left alone (they are whole already)."""
     if not isinstance(value, tf.Tensor):
         return value
-    return dtensor.relayout(value, dtensor.Layout.replicated(forward_mesh(), value.shape.rank))
+    return replicated(value, forward_mesh())
 
 
 def _keras(name: str) -> Callable:

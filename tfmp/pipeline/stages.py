@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfmp.layout import replicated
 from tfmp.mesh import DeviceMesh
 
 _current = threading.local()
@@ -103,8 +104,8 @@ def move_to_stage(value: tf.Tensor, source: DeviceMesh, target: DeviceMesh, batc
     value must live on `source`; eagerly its layout says where it is.
     """
     rank = value.shape.rank
-    replicated = dtensor.relayout(value, dtensor.Layout.replicated(source.dtensor_mesh, rank))
-    moved = dtensor.copy_to_mesh(replicated, dtensor.Layout.replicated(target.dtensor_mesh, rank))
+    whole = replicated(value, source.dtensor_mesh)
+    moved = dtensor.copy_to_mesh(whole, dtensor.Layout.replicated(target.dtensor_mesh, rank))
     parts = target.axis_size(batch_axis) if batch_axis in target.axis_names else 1
     if parts == 1 or rank == 0 or value.shape[0] is None or value.shape[0] % parts:
         return moved

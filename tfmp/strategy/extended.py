@@ -13,7 +13,7 @@ from tensorflow.python.distribute import distribute_lib
 
 from tfmp import integrations
 from tfmp.auto_layout import auto_layout
-from tfmp.layout import LayoutMap, axes_to_layout, declared_layout
+from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, replicated
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
@@ -346,7 +346,7 @@ def _rows_on_every_device(var: MeshVariable, gradient: tf.IndexedSlices) -> tf.I
     if rows is None or rows >= var.shape[0] or gradient.values.shape.rank != var.shape.rank:
         return gradient
     mesh = var.layout.mesh
-    values = dtensor.relayout(gradient.values, dtensor.Layout.replicated(mesh, var.shape.rank))
+    values = replicated(gradient.values, mesh)
     values_layout = dtensor.Layout([dtensor.UNSHARDED, *var.layout.sharding_specs[1:]], mesh)
     return tf.IndexedSlices(
         dtensor.relayout(values, values_layout),

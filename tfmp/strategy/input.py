@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 from typing import Any, Iterator
 
 import numpy as np
@@ -75,7 +76,14 @@ class ClientMeshDataset(MeshDataset, input_lib.DistributedDatasetsFromFunction):
 
 
 class MeshIterator:
-    """Iterator over a `MeshDataset`; looks one batch ahead to know the last one."""
+    """Iterator over a `MeshDataset` that places each batch on the mesh one
+    step ahead.
+
+    While the step on batch k runs, a worker thread reads batch k+2 on the
+    host and packs batch k+1 onto the mesh, so the step does not wait for the
+    host. Reading one batch further ahead tells whether a batch is the last
+    (a partial last batch is laid out to stay exact).
+    """
 
     def __init__(
         self,
@@ -91,7 +99,8 @@ class MeshIterator:
         self._known_length = known_length
         self._first_step_graphs = first_step_graphs
         first_step_graphs.on_new_iterator()
-        self._next = self._pull()
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfmp-input")
+        self._ahead = self._worker.submit(self._place_next, self._pull())
 
     def _pull(self) -> Any:
         try:
@@ -99,6 +108,13 @@ class MeshIterator:
                 return next(self._host_iterator)
         except (StopIteration, tf.errors.OutOfRangeError):
             return None
+
+    def _place_next(self, batch: Any) -> tuple[Any, Any] | None:
+        """`batch` placed on the mesh and the host batch after it; None at the end."""
+        if batch is None:
+            return None
+        following = self._pull()
+        return self._placer.place_batch(batch, following is None, self._local_rows), following
 
     def __iter__(self) -> "MeshIterator":
         return self
@@ -113,17 +129,19 @@ class MeshIterator:
                 "tf_keras' fit and Orbit's loops (Model Garden's run_experiment) "
                 "already do this under tfmp."
             )
-        batch = self._next
-        if batch is None:
+        ahead = self._ahead.result()
+        if ahead is None:
+            self._worker.shutdown(wait=False)
             self._first_step_graphs.finish()
             if self._known_length:
                 raise StopIteration
             # Keras stops an epoch of unknown length on OutOfRangeError; a plain
             # StopIteration inside its step loop would leave it without outputs.
             raise tf.errors.OutOfRangeError(None, None, "End of dataset.")
+        placed, following = ahead
         self._first_step_graphs.on_batch()
-        self._next = self._pull()
-        return self._placer.place_batch(batch, self._next is None, self._local_rows)
+        self._ahead = self._worker.submit(self._place_next, following)
+        return placed
 
     def get_next(self) -> Any:
         return next(self)

@@ -8,6 +8,8 @@ from typing import Any, Callable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfmp.layout import replicated
+
 
 def to_layout(value: Any, layout: dtensor.Layout, local_rows: bool = False) -> tf.Tensor:
     """Returns `value` as a DTensor with `layout`.
@@ -28,8 +30,6 @@ def to_layout(value: Any, layout: dtensor.Layout, local_rows: bool = False) -> t
             return dtensor.relayout(value, layout)
         value = to_host(value)
     value = tf.convert_to_tensor(value)
-    if layout.is_fully_replicated():
-        return dtensor.copy_to_mesh(value, layout)
     mesh = layout.mesh
     locations = mesh.local_device_locations()
     split_dims = [
@@ -59,24 +59,21 @@ def to_layout(value: Any, layout: dtensor.Layout, local_rows: bool = False) -> t
 
 
 def replicate(value: tf.Tensor, mesh: dtensor.Mesh | None = None) -> tf.Tensor:
-    """Relayouts a sharded DTensor to replicated.
+    """Relayouts a sharded DTensor to replicated, one mesh axis at a time
+    (`tfmp.layout.replicated`).
 
     Inside a function, where layouts are not known until DTensor expands it,
     `mesh` says which mesh the value lives on.
     """
-    rank = value.shape.rank
-    if rank is None:
+    if value.shape.rank is None:
         return value
     if tf.executing_eagerly():
         if not dtensor.is_dtensor(value):
             return value
-        layout = dtensor.fetch_layout(value)
-        if layout.is_fully_replicated():
-            return value
-        return dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, rank))
+        mesh = dtensor.fetch_layout(value).mesh
     if mesh is None:
         return value
-    return dtensor.relayout(value, dtensor.Layout.replicated(mesh, rank))
+    return replicated(value, mesh)
 
 
 def to_host(value: tf.Tensor) -> tf.Tensor:

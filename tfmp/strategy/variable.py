@@ -9,6 +9,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfmp.forward import GATHER_SCOPE, compute_layout, forward_mesh
+from tfmp.layout import replicated
 from tfmp.strategy.placement import to_layout
 
 
@@ -75,7 +76,8 @@ class MeshVariable(dtensor.DVariable):
         return dense_rows(sparse_delta, self.shape[0], self.dtype)
 
     def numpy(self) -> np.ndarray:
-        return gathered_axis_by_axis(self.read_value()).numpy()
+        value = self.read_value()
+        return replicated(value, dtensor.fetch_layout(value).mesh).numpy()
 
     def __array__(self, dtype=None, copy=None):
         del copy  # numpy() already returns a fresh host copy
@@ -99,24 +101,6 @@ def sparse_passing_relayout_gradient(relayout_gradient: Any) -> Any:
         return relayout_gradient(op, grad)
 
     return gradient
-
-
-def gathered_axis_by_axis(value: tf.Tensor) -> tf.Tensor:
-    """`value`, an eager DTensor, replicated by one relayout per split dimension.
-
-    With `LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2` set, DTensor lowers a
-    relayout that gathers two mesh axes at once wrongly: a 2-D `("model",
-    "batch")` weight read whole came back with its shards misplaced, higher
-    ranks fail to compile. One mesh axis per relayout is exact with either
-    lowering and moves the same bytes.
-    """
-    layout = dtensor.fetch_layout(value)
-    specs = list(layout.sharding_specs)
-    for dim, spec in enumerate(specs):
-        if spec != dtensor.UNSHARDED:
-            specs[dim] = dtensor.UNSHARDED
-            value = dtensor.relayout(value, dtensor.Layout(specs, layout.mesh))
-    return value
 
 
 def dense_rows(sparse: tf.IndexedSlices, rows: int, dtype: tf.DType | None = None) -> tf.Tensor:
