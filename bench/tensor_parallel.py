@@ -32,10 +32,9 @@ and on 2x4 (with the tensor split on "model"):
   of what it stands for: dense weights cost 2/3 + 2/3 of the minimum, 1/3 +
   2/3 with real gathers; an embedding's sparse gradient costs less than a
   reduce-scatter of its table. Each mesh runs twice:
-  with DTensor's default lowering, and with
-  `LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2` set while it trains (real
-  gathers: exact for tfmp's weight gathers, which gather one mesh axis each;
-  wrong for a relayout that gathers two at once, so tfmp leaves it unset).
+  with `LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2` set (real gathers,
+  tfmp's default: exact because tfmp gathers one mesh axis per relayout),
+  and without it (DTensor's own default, for comparison).
 
 Usage (from the repository root):
 

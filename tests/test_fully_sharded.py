@@ -1,6 +1,8 @@
 """Fully sharded data parallelism (`fully_shard=True`) and how a variable's
 layout is resolved: parity with one device, bytes per device, weight gathers."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -180,16 +182,15 @@ def test_embedding_adam_sums_its_rows_without_reducing_the_table(shape, axes, fu
     assert after_forward and all(c.bytes < table_bytes // 2 for c in after_forward), after_forward
 
 
-def test_gathers_lowered_as_gathers_train_exactly(monkeypatch):
-    """With LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2 (read by DTensor each
-    time it compiles a function) every weight gather is a gather collective,
-    half the bytes of DTensor's default (an all-reduce of a zero-filled
-    buffer), and training stays exact: each gathers one mesh axis, the case
-    DTensor lowers right. Reading weights and predictions gathers one axis
-    at a time too, since a relayout gathering two axes at once (the
-    ("model", "batch") embedding read whole) comes back misplaced with that
-    lowering."""
-    monkeypatch.setenv("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", "1")
+def test_gathers_lowered_as_gathers_train_exactly():
+    """tfmp sets LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2, so every weight
+    gather is a gather collective, half the bytes of DTensor's default (an
+    all-reduce of a zero-filled buffer), and training stays exact: each
+    gathers one mesh axis, the case DTensor lowers right. Reading weights and
+    predictions gathers one axis at a time too, since a relayout gathering
+    two axes at once (the ("model", "batch") embedding read whole) comes back
+    misplaced with that lowering."""
+    assert os.environ["LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"] == "1"
     device_mesh = mesh((2, 4))
     strategy = tfmp.ModelParallelStrategy(
         device_mesh, tfmp.LayoutMap(device_mesh), fully_shard=True

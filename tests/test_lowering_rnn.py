@@ -12,6 +12,7 @@ from tensorflow.experimental import dtensor
 import tfmp
 from helpers import MinimalCell, assert_parity, mesh, rules
 from tfmp.forward import forward_on
+from tfmp.layout import replicated
 from tfmp.lowering import rnn as rnn_lowering
 
 SEQ, FEATURES, BATCH = 3, 3, 12  # 3 training steps of 4 rows
@@ -237,7 +238,7 @@ def test_reordering_ops_on_a_mesh(op, want):
             with forward_on(device_mesh):
                 parts = _parts(op(t))
             loss = sum(tf.reduce_sum(part * w) for part, w in zip(parts, weights))
-        return [_replicated(v, device_mesh) for v in [*parts, tape.gradient(loss, t)]]
+        return [replicated(v, device_mesh) for v in [*parts, tape.gradient(loss, t)]]
 
     *parts, gradient = op_and_gradient(
         dtensor.copy_to_mesh(tf.constant(x), dtensor.Layout.replicated(device_mesh, 3))
@@ -254,16 +255,6 @@ def test_reordering_ops_on_a_mesh(op, want):
 
 def _parts(value):
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _replicated(value, device_mesh):
-    """`value` whole on every device, gathered one mesh axis at a time: with
-    LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2 set, DTensor fails to gather
-    a 3-D tensor over two mesh axes at once ("'tf.Reshape' op requires 'output'
-    number of elements to match")."""
-    unsharded = dtensor.UNSHARDED
-    value = dtensor.relayout(value, dtensor.Layout(["batch", unsharded, unsharded], device_mesh))
-    return dtensor.relayout(value, dtensor.Layout.replicated(device_mesh, 3))
 
 
 def test_cudnn_kernels_are_declined_on_a_mesh(monkeypatch):
