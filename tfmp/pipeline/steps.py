@@ -2,13 +2,13 @@
 
 A training step splits the batch into micro-batches and emits each stage's
 forward and backward passes in its schedule's order. Stages run concurrently
-on their own devices; with an ordered schedule (1F1B, or recompute) each
-stage's passes are chained by a data tie, since DTensor drops control
-dependencies. Each stage's backward pass is its own gradient computation, so
-its ops run on its devices and its input's gradient is handed to the
-previous stage like an activation. Gradients of the micro-batches are summed
-as they arrive, for one optimizer update, and each micro-batch's loss is
-weighted so that the sum is the whole batch's loss.
+on their own devices, and each stage's passes are chained by a data tie, in
+its schedule's order, since DTensor drops control dependencies. Each stage's
+backward pass is its own gradient computation, so its ops run on its
+devices and its input's gradient is handed to the previous stage like an
+activation. Gradients of the micro-batches are summed as they arrive, for
+one optimizer update, and each micro-batch's loss is weighted so that the
+sum is the whole batch's loss.
 
 Keras masks cross stages with their activations. A loss that averages
 (`sum_over_batch_size`) over masked values divides by the unmasked count,
@@ -70,16 +70,12 @@ def train_step(model: keras.Model, data: Any) -> dict[str, Any]:
     groups = pipeline_groups(model)
     meshes = strategy.stage_meshes.meshes
     num_microbatches = strategy.num_microbatches
-    # GPipe's passes run as soon as their inputs are ready, the fastest order.
-    # 1F1B's memory bound, and recomputing a stage just before its backward
-    # pass, hold only if each stage keeps to its schedule.
-    ordered = strategy.schedule == "1f1b" or any(group.recompute for group in groups)
     averaged = _loss_reduction(model) == "mean"
     microbatch_weight = 1.0 / num_microbatches if averaged else 1.0
     step = None
     if num_microbatches > 1:
         step = MicrobatchedStep(num_microbatches, _microbatch_rows(x, num_microbatches))
-    pipeline = _Pipeline(model, groups, meshes, strategy.batch_axis, ordered, step, averaged)
+    pipeline = _Pipeline(model, groups, meshes, strategy.batch_axis, step, averaged)
     xs = _split(x, num_microbatches, meshes[0], strategy.batch_axis)
     ys = _split(y, num_microbatches, meshes[-1], strategy.batch_axis)
     weights = _split(sample_weight, num_microbatches, meshes[-1], strategy.batch_axis)
@@ -113,12 +109,10 @@ class _Pipeline:
         groups: list[LayerGroup],
         meshes: list[DeviceMesh],
         batch_axis: str | None,
-        ordered: bool,
         step: MicrobatchedStep | None,
         losses_average: bool,
     ):
         self.model = model
-        self.ordered = ordered
         self.groups = groups
         self.meshes = meshes
         self.batch_axis = batch_axis
@@ -136,10 +130,15 @@ class _Pipeline:
         # each micro-batch's share of unmasked loss values.
         self.losses_average = losses_average
         self.unmasked_shares: dict[int, tf.Tensor] = {}
-        # With `ordered`, a scalar of each stage's latest pass: the next pass's
-        # inputs are tied to it, which makes the stage run its passes in the
-        # schedule's order (DTensor drops control dependencies, so the order
-        # has to be carried by data).
+        # A scalar of each stage's latest pass: the next pass's inputs are
+        # tied to it, which makes the stage run its passes one at a time, in
+        # the schedule's order (DTensor drops control dependencies, so the
+        # order has to be carried by data). 1F1B's memory bound, and
+        # recomputing a stage just before its backward pass, hold only in
+        # that order. GPipe keeps it too: free to run any ready pass, a stage
+        # would run several at once wherever devices share cores (logical CPU
+        # devices), taking the other stages' cores instead of running as one
+        # device.
         self._tokens: list[tf.Tensor | None] = [None] * len(groups)
 
     def run(self, action: Action, xs: list, ys: list, weights: list, loss_weight: float) -> None:
@@ -184,7 +183,7 @@ class _Pipeline:
 
     def _after_last_pass(self, stage: int, structure: Any) -> Any:
         token = self._tokens[stage]
-        if token is None or not self.ordered:
+        if token is None:
             return structure
         return tf.nest.map_structure(lambda t: _tied(t, token), structure)
 
