@@ -21,9 +21,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfmp  # noqa: E402
 
-tfmp.simulate_devices(8)  # before any TensorFlow op
-
 import argparse  # noqa: E402
+
+import devices as bench_devices  # noqa: E402  (bench/devices.py)
+
+# --devices cpu|gpu is read here: the devices must be made before any TensorFlow op.
+_flags = argparse.ArgumentParser(add_help=False)
+bench_devices.add_argument(_flags)
+DEVICES = bench_devices.setup(_flags.parse_known_args()[0].devices, 8)
+
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -63,9 +69,10 @@ def step_times(model: keras.Model, data: tuple, callbacks: list) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_devices.add_argument(parser)
     parser.add_argument("--rounds", type=int, default=3)
     rounds = parser.parse_args().rounds
-    mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+    mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"), DEVICES)
     strategy = tfmp.ModelParallelStrategy(mesh, megatron_layout_map(mesh))
     keras.utils.set_random_seed(0)
     weights = build_transformer_lm().get_weights()

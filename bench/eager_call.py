@@ -58,8 +58,10 @@ print(json.dumps(sorted(times)[len(times) // 2]))
 """
 
 
-def median_call_seconds(setup: str, calls: int) -> float:
+def median_call_seconds(setup: str, calls: int, devices: str = "cpu") -> float:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if devices == "cpu":  # else the layer runs where TensorFlow puts it: the first GPU
+        env["CUDA_VISIBLE_DEVICES"] = "-1"
     finished = subprocess.run(
         [sys.executable, "-c", _TIMER.format(setup=setup, calls=calls)],
         capture_output=True, text=True, env=env, timeout=600, check=True,
@@ -70,6 +72,8 @@ def median_call_seconds(setup: str, calls: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--devices", choices=("cpu", "gpu"), default="cpu",
+                        help="where the layer runs: the CPU (default) or the first GPU")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args(argv)
@@ -78,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(rounds):
         names = list(CASES) if round_index % 2 == 0 else list(reversed(CASES))
         for name in names:
-            medians[name].append(median_call_seconds(CASES[name], calls))
+            medians[name].append(median_call_seconds(CASES[name], calls, args.devices))
     base = sorted(medians["plain Keras"])[rounds // 2]
-    print(f"eager Dense(64) call on a (8, 32) host array; {rounds} rounds x {calls} calls, median per round\n")
+    print(f"eager Dense(64) call on a (8, 32) host array, {args.devices.upper()}; {rounds} rounds x {calls} calls, median per round\n")
     print(f"{'case':<22}{'median us':>11}{'ratio':>9}")
     for name, values in medians.items():
         median = sorted(values)[rounds // 2]

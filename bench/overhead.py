@@ -42,9 +42,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfmp  # noqa: E402
 
-DEVICES = tfmp.simulate_devices(8)  # before any TensorFlow op
-
 import argparse  # noqa: E402
+
+import devices as bench_devices  # noqa: E402  (bench/devices.py)
+
+# --devices cpu|gpu is read here: the devices must be made before any TensorFlow op.
+_flags = argparse.ArgumentParser(add_help=False)
+bench_devices.add_argument(_flags)
+DEVICES = bench_devices.setup(_flags.parse_known_args()[0].devices, 8)
+
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import platform  # noqa: E402
@@ -113,6 +119,7 @@ class StepTimer(keras.callbacks.Callback):
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_devices.add_argument(parser)
     parser.add_argument(
         "--steps", type=int, help="measured steps per round (default 30; quick: 8)"
     )
@@ -137,9 +144,11 @@ def strategies() -> dict[str, tuple[tf.distribute.Strategy | None, int]]:
     )
     return {
         "keras": (None, 1),
-        "tfmp 1x1": (tfmp.ModelParallelStrategy(tfmp.DeviceMesh((1, 1), ("batch", "model"))), 1),
+        "tfmp 1x1": (tfmp.ModelParallelStrategy(
+            tfmp.DeviceMesh((1, 1), ("batch", "model"), devices=DEVICES[:1])), 1),
         "tfmp 8x1": (data_parallel, 1),
-        "mirrored 8": (tf.distribute.MirroredStrategy(DEVICES), 1),
+        "mirrored 8": (tf.distribute.MirroredStrategy(
+            DEVICES, cross_device_ops=bench_devices.mirrored_cross_device_ops()), 1),
         "tfmp 8x1 spe 8": (data_parallel, 8),
     }
 
@@ -241,7 +250,7 @@ def report(args: argparse.Namespace, times: dict[str, list[list[float]]]) -> Non
     print(
         f"model: {size.features} -> {size.hidden} relu -> {size.hidden} relu -> "
         f"{size.outputs}, Adam, mse, batch {size.batch}; {args.rounds} rounds x "
-        f"{args.steps} steps per config, {len(DEVICES)} logical CPU devices"
+        f"{args.steps} steps per config, {bench_devices.describe()}"
     )
     print()
     print(

@@ -1,14 +1,23 @@
 """Runs every benchmark in bench/ and writes their ratios to bench/RESULTS.md.
 
 Runs overhead.py, eager_call.py, tensor_parallel.py, callbacks.py,
-pipeline.py and compare_jax.py one after another, each in its own process (the machine's cores
-go to one benchmark at a time), captures what each prints, and takes from it
-every ratio with its target:
+pipeline.py, compare_jax.py, breakdown.py and largest_model.py one after another, each in its
+own process (the machine's cores go to one benchmark at a time), captures what
+each prints, and takes from it every ratio with its target:
 
 - a line `RESULT measure="..." ratio=1.234 target=<=1.00 status=met|missed`
-  (compare_jax.py and eager_call.py print these; any benchmark may);
+  (compare_jax.py, eager_call.py, pipeline.py, breakdown.py and
+  largest_model.py print these; any benchmark may);
 - otherwise the benchmark's own table, read by a parser below that knows its
-  format (overhead.py, tensor_parallel.py, callbacks.py, pipeline.py).
+  format (overhead.py, tensor_parallel.py, callbacks.py).
+
+`--devices cpu` (the default) runs every benchmark on logical CPU devices, with
+the GPUs hidden from it (`CUDA_VISIBLE_DEVICES=-1`), and writes
+bench/RESULTS.md. `--devices gpu` passes `--devices gpu` to every benchmark
+that takes the flag (one GPU split into logical GPUs, or several real GPUs with
+NCCL: see bench/devices.py) and writes bench/RESULTS-gpu.md; a benchmark without
+the flag runs on CPU devices as with `--devices cpu`, and is marked
+"(CPU: no --devices)" in the table.
 
 bench/RESULTS.md gets the date, the machine (CPU model, cores, RAM, load,
 TensorFlow / Keras / JAX versions, GPU if any) and one table: benchmark |
@@ -22,6 +31,7 @@ Usage (from the repository root):
     python bench/run_all.py                 # every benchmark, full size
     python bench/run_all.py --quick         # every benchmark's smoke mode
     python bench/run_all.py --quick compare_jax.py callbacks.py   # a subset
+    python bench/run_all.py --devices gpu   # on GPUs -> bench/RESULTS-gpu.md
 """
 
 from __future__ import annotations
@@ -50,6 +60,8 @@ BENCHMARKS = (
     "callbacks.py",
     "pipeline.py",
     "compare_jax.py",
+    "breakdown.py",
+    "largest_model.py",
 )
 # callbacks.py has no --quick: one round is its short run.
 QUICK_ARGS = {"callbacks.py": ["--rounds", "1"]}
@@ -75,6 +87,7 @@ class Run:
     seconds: float
     output: str
     rows: list[Row]
+    cpu_fallback: bool = False  # --devices gpu, but the script has no --devices flag
 
 
 # --- reading each benchmark's output -----------------------------------------
@@ -125,18 +138,26 @@ def tensor_parallel(output: str) -> list[Row]:
                 _met(round(comm, 2) == 1.00)),
             Row(f"step time / 1x1, {mesh}", m["step"]),
         ]
-    # | 2x4 | 1,234 | 1.023 | 5,678 | 2.377 |   (the fully sharded table)
+    # | 2x4 | all-gather | 1,234 | 1.023 | 5,678 | 0.877 |   (the fully sharded table)
     sharded = re.compile(
-        r"^\| (?P<mesh>\d+x\d+) \| [\d,]+ \| (?P<memory>[\d.]+) \| [\d,]+ \| (?P<comm>[\d.]+) \|$"
+        r"^\| (?P<mesh>\d+x\d+) \| (?P<lowering>all-gather|all-reduce) \| [\d,]+ "
+        r"\| (?P<memory>[\d.]+) \| [\d,]+ \| (?P<comm>[\d.]+) \|$"
     )
     for m in map(sharded.match, output.splitlines()):
-        if m:
-            rows += [
-                Row(f"fully sharded memory / (total / 8), {m['mesh']}", m["memory"], "<= 1.05",
-                    _met(float(m["memory"]) <= 1.05)),
-                Row(f"fully sharded batch-axis bytes / ZeRO-3 minimum, {m['mesh']}", m["comm"],
-                    "<= 1.10", _met(float(m["comm"]) <= 1.10)),
-            ]
+        if not m:
+            continue
+        if m["lowering"] == "all-reduce":  # DTensor's own lowering, for comparison
+            rows.append(Row(
+                f"fully sharded batch-axis bytes / ZeRO-3 minimum, {m['mesh']}, gathers as "
+                "all-reduces", m["comm"],
+            ))
+            continue
+        rows += [
+            Row(f"fully sharded memory / (total / 8), {m['mesh']}", m["memory"], "<= 1.05",
+                _met(float(m["memory"]) <= 1.05)),
+            Row(f"fully sharded batch-axis bytes / ZeRO-3 minimum, {m['mesh']}", m["comm"],
+                "<= 1.10", _met(float(m["comm"]) <= 1.10)),
+        ]
     return rows
 
 
@@ -154,30 +175,10 @@ def callbacks(output: str) -> list[Row]:
     ]
 
 
-def pipeline(output: str) -> list[Row]:
-    #    gpipe   8    123.4      1.60   1.78       90%  target >= 85%: met
-    pattern = re.compile(
-        r"^\s*(?P<schedule>gpipe|1f1b)\s+(?P<m>\d+)\s+[\d.]+\s+(?P<speedup>[\d.]+)\s+"
-        r"(?P<ideal>[\d.]+)\s+(?P<percent>\d+)%\s+target >= (?P<target>\d+)%: "
-        r"(?P<result>met|missed)$"
-    )
-    return [
-        Row(
-            f"speed-up / ideal, {m['schedule']}, m={m['m']}",
-            f"{int(m['percent']) / 100:.2f}",
-            f">= {int(m['target']) / 100:.2f}",
-            _met(m["result"]),
-        )
-        for m in map(pattern.match, output.splitlines())
-        if m
-    ]
-
-
 PARSERS: dict[str, Callable[[str], list[Row]]] = {
     "overhead.py": overhead,
     "tensor_parallel.py": tensor_parallel,
     "callbacks.py": callbacks,
-    "pipeline.py": pipeline,
 }
 
 
@@ -195,14 +196,30 @@ def _spaced(target: str) -> str:
 # --- running -----------------------------------------------------------------
 
 
-def run_benchmark(script: str, quick: bool, timeout: float) -> Run:
+def takes_devices(script: str) -> bool:
+    """Whether a benchmark has the `--devices cpu|gpu` flag (its own, or
+    bench/devices.py's `add_argument`)."""
+    source = (BENCH / script).read_text()
+    return '"--devices"' in source or "bench_devices.add_argument(" in source
+
+
+def run_benchmark(script: str, quick: bool, timeout: float, devices: str = "cpu") -> Run:
     extra = (QUICK_ARGS.get(script, ["--quick"]) if quick else [])
+    env = dict(os.environ)
+    cpu_fallback = devices == "gpu" and not takes_devices(script)
+    if devices == "gpu" and not cpu_fallback:
+        extra = ["--devices", "gpu", *extra]
+    else:
+        # CPU devices only: a GPU left visible would take the ops TensorFlow
+        # places by default (a 1x1 mesh, plain Keras) while the meshes stay on CPU.
+        env["CUDA_VISIBLE_DEVICES"] = "-1"
     command = [sys.executable, str(BENCH / script), *extra]
-    print(f"running {' '.join([Path(command[0]).name, *command[1:]])} ...", flush=True)
+    note = " (on CPU: it has no --devices flag)" if cpu_fallback else ""
+    print(f"running {' '.join([Path(command[0]).name, *command[1:]])}{note} ...", flush=True)
     started = time.perf_counter()
     try:
         process = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+            command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
         )
         returncode, output = process.returncode, process.stdout
         if returncode != 0:
@@ -220,7 +237,7 @@ def run_benchmark(script: str, quick: bool, timeout: float) -> Run:
     elif not rows:
         rows.append(Row("(no ratio found in the output)", "-"))
     print(f"  {seconds:.0f} s, exit {returncode}, {len(rows)} row(s)", flush=True)
-    return Run(script, command, returncode, seconds, output, rows)
+    return Run(script, command, returncode, seconds, output, rows, cpu_fallback)
 
 
 def machine() -> list[str]:
@@ -278,22 +295,37 @@ def table(runs: list[Run]) -> list[str]:
     """The results table, one row per ratio, as Markdown lines."""
     lines = ["| benchmark | measure | ratio | target | met? |", "|---|---|---:|---|---|"]
     for run in runs:
+        name = run.script + (" (CPU: no --devices)" if run.cpu_fallback else "")
         for row in run.rows:
             lines.append(
-                f"| {run.script} | {row.measure} | {row.ratio} | {row.target} | {row.met} |"
+                f"| {name} | {row.measure} | {row.ratio} | {row.target} | {row.met} |"
             )
     return lines
 
 
 def write_results(path: Path, runs: list[Run], quick: bool, started: datetime.datetime,
-                  machine_lines: list[str]) -> str:
+                  machine_lines: list[str], devices: str = "cpu") -> str:
     mode = "quick (`--quick`: smoke-test sizes, not representative)" if quick else "full"
+    flags = (" --devices gpu" if devices == "gpu" else "") + (" --quick" if quick else "")
+    if devices == "gpu":
+        fallback = [run.script for run in runs if run.cpu_fallback]
+        where = (
+            "Devices: GPUs for every benchmark that takes `--devices gpu` (one GPU split "
+            "into logical GPUs, DTensor without NCCL; or one logical GPU per real GPU, "
+            "DTensor on NCCL: see bench/devices.py and each benchmark's output)"
+            + (f"; on CPU devices, having no `--devices` flag: {', '.join(fallback)}."
+               if fallback else ".")
+        )
+    else:
+        where = "Devices: logical CPU devices (GPUs hidden from every benchmark)."
     lines = [
-        "# Benchmark results",
+        "# Benchmark results" + (" on GPU" if devices == "gpu" else ""),
         "",
-        f"Written by `python bench/run_all.py{' --quick' if quick else ''}` on "
+        f"Written by `python bench/run_all.py{flags}` on "
         f"{started:%Y-%m-%d %H:%M} (local time); mode: {mode}. Every ratio compares "
         "configurations measured side by side in the same run.",
+        "",
+        where,
         "",
         "## Machine",
         "",
@@ -308,7 +340,8 @@ def write_results(path: Path, runs: list[Run], quick: bool, started: datetime.da
         "",
         "Time per benchmark: "
         + ", ".join(f"{run.script} {run.seconds:.0f} s" for run in runs)
-        + f"; total {total / 60:.1f} min.",
+        + f"; total {total / 60:.1f} min"
+        + (" (target with `--devices gpu`: under 8 min)." if devices == "gpu" else "."),
         "",
         "## Outputs",
         "",
@@ -339,20 +372,30 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=3600, help="seconds allowed per benchmark (3600)"
     )
     parser.add_argument(
-        "--output", type=Path, default=BENCH / "RESULTS.md",
-        help="where to write (bench/RESULTS.md)",
+        "--devices", choices=("cpu", "gpu"), default="cpu",
+        help="cpu: logical CPU devices (default); gpu: pass --devices gpu to every "
+        "benchmark that takes it",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None,
+        help="where to write (bench/RESULTS.md; with --devices gpu, bench/RESULTS-gpu.md)",
     )
     parser.add_argument(
         "scripts", nargs="*", metavar="SCRIPT", help=f"a subset of {', '.join(BENCHMARKS)}"
     )
     args = parser.parse_args(argv)
+    if args.output is None:
+        args.output = BENCH / ("RESULTS-gpu.md" if args.devices == "gpu" else "RESULTS.md")
     unknown = [s for s in args.scripts if s not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}: choose from {BENCHMARKS}")
     started = datetime.datetime.now()
     machine_lines = machine()  # before the benchmarks: the load average is the machine's own
-    runs = [run_benchmark(s, args.quick, args.timeout) for s in args.scripts or BENCHMARKS]
-    write_results(args.output, runs, args.quick, started, machine_lines)
+    runs = [
+        run_benchmark(s, args.quick, args.timeout, args.devices)
+        for s in args.scripts or BENCHMARKS
+    ]
+    write_results(args.output, runs, args.quick, started, machine_lines, args.devices)
     print()
     print("\n".join(table(runs)))
     print(f"\nwrote {args.output}; {sum(r.seconds for r in runs) / 60:.1f} min in all")

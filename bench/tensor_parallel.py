@@ -50,9 +50,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfmp  # noqa: E402
 
-tfmp.simulate_devices(8)  # before any TensorFlow op
-
 import argparse  # noqa: E402
+
+import devices as bench_devices  # noqa: E402  (bench/devices.py)
+
+# --devices cpu|gpu is read here: the devices must be made before any TensorFlow op.
+_flags = argparse.ArgumentParser(add_help=False)
+bench_devices.add_argument(_flags)
+DEVICES = bench_devices.setup(_flags.parse_known_args()[0].devices, 8)
+
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
@@ -114,7 +120,9 @@ class StepTimer(keras.callbacks.Callback):
 
 
 def run(c: Config, model_axis: int, weights, data, batch_axis: int = 1, fully_shard: bool = False) -> dict:
-    mesh = tfmp.DeviceMesh((batch_axis, model_axis), ("batch", "model"))
+    mesh = tfmp.DeviceMesh(
+        (batch_axis, model_axis), ("batch", "model"), DEVICES[: batch_axis * model_axis]
+    )
     strategy = tfmp.ModelParallelStrategy(mesh, fully_shard=fully_shard)
     with strategy.scope():
         model = build_gpt(c)
@@ -178,6 +186,7 @@ def megatron_minimum(c: Config) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench_devices.add_argument(parser)
     parser.add_argument("--quick", action="store_true", help="tiny model: a smoke run")
     c = QUICK if parser.parse_args().quick else FULL
     keras.utils.set_random_seed(0)
@@ -188,7 +197,8 @@ def main() -> None:
     data = (tokens[:, :-1], tokens[:, 1:])
     results = {size: run(c, size, weights, data) for size in MODEL_AXIS_SIZES}
     one = results[1]
-    print(f"model: {c}; tensorflow {tf.__version__}, keras {keras.__version__}")
+    print(f"model: {c}; {bench_devices.describe()}; "
+          f"tensorflow {tf.__version__}, keras {keras.__version__}")
     print()
     print("| mesh | bytes/device | memory / ideal (<= 1.05) | comm bytes/step | comm / Megatron min (1.00) | step time / 1x1 |")
     print("|---|---:|---:|---:|---:|---:|")
