@@ -12,6 +12,7 @@ The plan, as a reader would write it by hand:
 |                                        | parallel (inputs); siblings with the same    |
 |                                        | shape (a gate and its up-projection) all     |
 |                                        | column-parallel before their row partner     |
+| Dense out of merged heads              | row-parallel, split by heads                 |
 | BatchNorm, DepthwiseConv in a pair     | split on channels with the pair              |
 | last Dense, vocabulary wide            | column-parallel (split on the vocabulary)    |
 | SeparableConv                          | depthwise on channels, pointwise row-parallel|
@@ -81,6 +82,11 @@ class _Plan:
     step: Any = None  # the _Visit being planned
     pooled: bool = False  # a pooling or resize since the last projection
     last_dense: Any = None  # the model's output Dense: maybe a vocabulary head
+    # Projections into heads just split: their block, and (heads, heads x
+    # head features) of each; `heads_before` as the layer visited found them.
+    heads_in: tuple[Any, ...] = ()
+    heads_widths: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    heads_before: tuple[tuple[Any, ...], set[tuple[int, int]]] = ((), set())
 
     def divides(self, variable: Any, dim: int) -> bool:
         return int(variable.shape[dim]) % self.size == 0
@@ -213,14 +219,17 @@ def _children(layer: Any) -> list[Any]:
     return _sublayers(layer)
 
 
-def _may_pair(columns_in: tuple[Any, ...], row_in: tuple[Any, ...]) -> bool:
+def _may_pair(columns_in: tuple[Any, ...], row_in: tuple[Any, ...], square: bool) -> bool:
     """A column and its row partner are two layers of one block, or of two
     sibling blocks (DeiT's `mlp` and `output_layer`). Made in order but
     further apart, they are often not one after the other in the data:
     DepthAnything's neck makes, in a row, convolutions of its fusion stages.
-    Sibling blocks a block keeps in a list are parallel branches or a chain."""
+    Sibling blocks a block keeps in a list are parallel branches or a chain,
+    and a square column's run (see `_end_pair`) stays in its block."""
     if columns_in == row_in:
         return True
+    if square:
+        return False
     siblings = len(columns_in) == len(row_in) and columns_in[:-1] == row_in[:-1]
     return (
         siblings
@@ -304,13 +313,17 @@ def plan_layers(steps: Iterable[_Visit], axis: str, size: int) -> _Plan:
         plan.last_dense = weighted[-1]
     for step in steps:
         layer, plan.step = step.layer, step
-        if plan.columns and not _may_pair(plan.columns_in, step.containers):
+        if plan.columns and not _may_pair(plan.columns_in, step.containers, _square(plan.columns[0])):
             _end_pair(plan)  # past its block: what comes next is not its partner
         if _needs_whole_channels(layer):
             _end_pair(plan)  # DTensor pools and resizes a batch split only
             plan.pooled = True
         if not getattr(layer, "weights", None):
             continue  # activations, dropout, adds: a Dense pair stays a pair
+        # Only projections into heads follow one another and keep a run of
+        # them open; any other layer with weights ends it.
+        plan.heads_before = (plan.heads_in, plan.heads_widths)
+        plan.heads_in, plan.heads_widths = (), set()
         planner = _planner(layer)
         if planner is None:
             _end_pair(plan)
@@ -327,28 +340,19 @@ def plan_layers(steps: Iterable[_Visit], axis: str, size: int) -> _Plan:
 def _plan_projection(plan: _Plan, projection: _Projection) -> None:
     layer = projection.layer
     plan.pooled = False  # its output's layout is its own, whatever follows
+    if _reads_merged_heads(plan, projection):
+        _end_pair(plan)
+        plan.split(projection.kernel, projection.in_dim, "projection out of attention heads, row-parallel")
+        plan.keep(layer, "attention output bias: added once, replicated")
+        return
     if len(plan.step.containers) > 1 and _listed(layer, plan.step.containers[-1]):
         _end_pair(plan)
         plan.keep(layer, "one of a list of layers (parallel branches or a chain): no partner")
         return
-    if plan.columns and projection.inputs == plan.columns[0].outputs:
+    if plan.columns and _reads_columns(plan, projection):
         columns, channelwise = plan.columns, plan.channelwise
         plan.columns, plan.channelwise = [], []
-        if _hides_whole_channel_ops(_blocks_around(plan.columns_in, plan.step.containers)):
-            for pending in [column.layer for column in columns] + channelwise + [layer]:
-                plan.keep(pending, "its block pools or resizes between column and row: replicated")
-            return
-        if plan.split(projection.kernel, projection.in_dim, "row-parallel after column-parallel"):
-            for column in columns:
-                _split_column(plan, column)
-            for between in channelwise:
-                for variable in between.weights:
-                    dim = _channel_dim(variable, columns[0].outputs)
-                    plan.split(variable, dim, "per-channel layer between column and row")
-            plan.keep(layer, "bias of a row-parallel layer: added once, replicated")
-        else:
-            for pending in [column.layer for column in columns] + channelwise:
-                plan.keep(pending, "its row-parallel partner could not be split")
+        _pair(plan, columns, channelwise, projection, plan.step.containers)
         return
     if plan.columns and (projection.inputs, projection.outputs) == (
         plan.columns[0].inputs,
@@ -356,11 +360,74 @@ def _plan_projection(plan: _Plan, projection: _Projection) -> None:
     ):
         plan.columns.append(projection)  # a sibling: gate and up-projection
         return
+    if plan.columns and _deferring(plan) and projection.inputs == plan.columns[0].inputs:
+        plan.columns.append(projection)  # a grouped-query key or value
+        return
     _end_pair(plan)
     if layer is plan.last_dense and projection.outputs in plan.vocabularies:
         _split_column(plan, projection, "vocabulary head split on the vocabulary")
         return
     plan.columns, plan.columns_in = [projection], plan.step.containers
+
+
+def _reads_columns(plan: _Plan, projection: _Projection) -> bool:
+    """Whether `projection` reads the pending columns' output: their row
+    partner. In a functional model the graph says. In a block only sizes do,
+    and a column as wide as its input leaves it open: the next projection of
+    the same size may read the same input (plain-Dense attention's query,
+    key, value, output); `_end_pair` settles such a run."""
+    column = plan.columns[0]
+    if projection.inputs != column.outputs:
+        return False
+    if plan.columns_in == plan.step.containers and _is_graph(plan.step.containers[-1]):
+        return _feeds([c.layer for c in plan.columns], projection.layer, plan.channelwise)
+    return column.inputs != column.outputs
+
+
+def _pair(
+    plan: _Plan,
+    columns: list[_Projection],
+    channelwise: list[Any],
+    row: _Projection,
+    row_in: tuple[Any, ...],
+) -> None:
+    """Columns split on outputs, the per-channel layers between on channels,
+    the row on inputs: all of them, or none."""
+    if _hides_whole_channel_ops(_blocks_around(plan.columns_in, row_in)):
+        for pending in [column.layer for column in columns] + channelwise + [row.layer]:
+            plan.keep(pending, "its block pools or resizes between column and row: replicated")
+        return
+    if not plan.split(row.kernel, row.in_dim, "row-parallel after column-parallel"):
+        for pending in [column.layer for column in columns] + channelwise:
+            plan.keep(pending, "its row-parallel partner could not be split")
+        return
+    for column in columns:
+        _split_column(plan, column)
+    for between in channelwise:
+        for variable in between.weights:
+            dim = _channel_dim(variable, columns[0].outputs)
+            plan.split(variable, dim, "per-channel layer between column and row")
+    plan.keep(row.layer, "bias of a row-parallel layer: added once, replicated")
+
+
+def _feeds(sources: list[Any], layer: Any, through: list[Any]) -> bool:
+    """Whether, in a functional model, `layer` reads the output of one of
+    `sources` through ops without weights (or layers in `through`)."""
+    seen: set[int] = set()
+    pending = [node for node in layer._inbound_nodes]  # noqa: SLF001
+    while pending:
+        node = pending.pop()
+        for tensor in node.arguments.keras_tensors:
+            operation = tensor._keras_history.operation  # noqa: SLF001
+            if any(operation is source for source in sources):
+                return True
+            if id(operation) in seen or (
+                getattr(operation, "weights", None) and not any(operation is t for t in through)
+            ):
+                continue
+            seen.add(id(operation))
+            pending.extend(operation._inbound_nodes)  # noqa: SLF001
+    return False
 
 
 def _split_column(plan: _Plan, column: _Projection, why: str = "column-parallel") -> None:
@@ -370,12 +437,45 @@ def _split_column(plan: _Plan, column: _Projection, why: str = "column-parallel"
             plan.split(bias, 0, why)
 
 
-
-
 def _end_pair(plan: _Plan) -> None:
-    for pending in [column.layer for column in plan.columns] + plan.channelwise:
-        plan.keep(pending, "no Dense follows it to make a column/row pair")
+    columns, channelwise = plan.columns, plan.channelwise
     plan.columns, plan.channelwise = [], []
+    if _square_run(plan, columns):
+        # Query, key, value and output of a plain-Dense attention (or gate,
+        # up and down of a gated MLP as wide as its input), made in that
+        # order: all but the last read one input, the last reads them.
+        _pair(plan, columns[:-1], channelwise, columns[-1], plan.columns_in)
+        return
+    for pending in [column.layer for column in columns] + channelwise:
+        plan.keep(pending, "no Dense follows it to make a column/row pair")
+
+
+def _square(projection: _Projection) -> bool:
+    return projection.inputs == projection.outputs
+
+
+def _deferring(plan: _Plan) -> bool:
+    """Whether the pending columns are a run `_end_pair` settles: they started
+    with a projection as wide as its input, in a block (not a functional
+    model, whose graph tells siblings from rows), and the plan is still in
+    that block."""
+    first = plan.columns[0]
+    return (
+        first.inputs == first.outputs
+        and not _is_graph(plan.columns_in[-1])
+        and plan.columns_in == plan.step.containers
+    )
+
+
+def _square_run(plan: _Plan, columns: list[_Projection]) -> bool:
+    """Projections of one block reading one input as wide as the first's
+    output, the last of them back to that width: the last (an attention's
+    output projection) reads the others, which read that input (its query,
+    key and value)."""
+    if len(columns) < 2 or _is_graph(plan.columns_in[-1]):
+        return False
+    first, last = columns[0], columns[-1]
+    return first.inputs == first.outputs == last.inputs == last.outputs
 
 
 def _plan_channelwise(plan: _Plan, layer: Any) -> None:
@@ -441,14 +541,59 @@ def _plan_einsum(plan: _Plan, layer: Any) -> None:
     if len(kernel) == 2 and len(out_only) == 1 and len(contracted) == 1:
         _plan_projection(plan, _Projection(layer, layer.kernel, contracted[0], out_only[0]))
         return
-    _end_pair(plan)
     if len(out_only) >= 2:  # into heads: (hidden, heads, head_dim)
+        _end_pair(plan)
         why = "projection into attention heads, split on heads"
         if plan.split(layer.kernel, out_only[0], why):
             _split_einsum_bias(plan, layer, kernel[out_only[0]], why)
+            heads, head_dim = (kernel[i] for i in out_only[:2])
+            if output.index(heads) < output.index(head_dim):  # merged heads-major
+                _continue_heads(plan, *(int(layer.kernel.shape[i]) for i in out_only[:2]))
     elif len(contracted) >= 2:  # out of heads: (heads, head_dim, hidden)
-        plan.split(layer.kernel, contracted[0], "projection out of attention heads, row-parallel")
+        _plan_out_of_heads(plan, layer, contracted[0])
+    else:
+        _end_pair(plan)
     plan.keep(layer, f"EinsumDense {layer.equation!r}: no heads or feature split found")
+
+
+def _continue_heads(plan: _Plan, heads: int, features: int) -> None:
+    """Records a projection into `heads` heads of `features` each: the run
+    of them (query, key, value) in this block goes on."""
+    before_in, before_widths = plan.heads_before
+    same_block = before_in == plan.step.containers
+    plan.heads_in = plan.step.containers
+    plan.heads_widths = (before_widths if same_block else set()) | {(heads, heads * features)}
+
+
+def _reads_merged_heads(plan: _Plan, projection: _Projection) -> bool:
+    """Whether `projection`, a Dense or 2-D EinsumDense, comes right after
+    projections into heads of its block (nothing with weights between) and
+    takes whole heads of one of them, merged: their output projection
+    (Falcon's, Bloom's; GPT-NeoX's reads a third of its fused query, key and
+    value heads), row-parallel by heads."""
+    heads_in, widths = plan.heads_before
+    return (
+        not isinstance(projection.layer, _convolutions())
+        and heads_in == plan.step.containers
+        and any(
+            projection.inputs % heads == 0 and projection.inputs <= width
+            for heads, width in widths
+        )
+    )
+
+
+def _plan_out_of_heads(plan: _Plan, layer: Any, heads_dim: int) -> None:
+    """Row-parallel by heads. Dense projections into the heads pending in its
+    block (SmolLM's query, key and value) are its columns."""
+    in_block = plan.columns and plan.columns_in == plan.step.containers
+    columns, plan.columns = (plan.columns, []) if in_block else ([], plan.columns)
+    _end_pair(plan)
+    if plan.split(layer.kernel, heads_dim, "projection out of attention heads, row-parallel"):
+        for column in columns:
+            _split_column(plan, column, "projection into attention heads, column-parallel")
+    else:
+        for column in columns:
+            plan.keep(column.layer, "its row-parallel partner could not be split")
 
 
 def _split_einsum_bias(plan: _Plan, layer: Any, letter: str, why: str) -> None:
