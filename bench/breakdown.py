@@ -650,7 +650,7 @@ def report(args: argparse.Namespace, results: dict) -> None:
         f"{n} {metadata.version(n)}" for n in names if importlib.util.find_spec(n)
     )
     print(f"model: tfmp demo Transformer LM {size.model_kwargs()}, Adam, batch {size.batch}; "
-          f"{args.rounds} round(s) x {args.steps} timed steps per part, {args.warmup} warm-up")
+          f"{args.rounds} round(s) x {args.steps} timed steps per fit, {args.warmup} warm-up")
     print(f"versions: {versions}; {NUM_DEVICES} simulated CPU devices on {os.cpu_count()} "
           "cores; ms are medians from this run only\n")
     reference = results["keras"]["losses"]

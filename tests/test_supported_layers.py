@@ -70,6 +70,13 @@ def _kernel(*axes):
 
 
 _COLUMN = {"column/kernel": (None, MODEL)}
+
+
+def _filters(spatial_rank):
+    """A conv named "conv" split over its filters."""
+    return {"conv/kernel": (None,) * (spatial_rank + 1) + (MODEL,)}
+
+
 KEY_BIAS = "key/bias"
 
 
@@ -154,6 +161,17 @@ CASES = (
     Case("RandomShear", "images over batch; bilinear, nearest fill",
          lambda: L.RandomShear(0.3, 0.3, fill_mode="nearest"), (6, 6, 3), {}),
     Case("RandomPerspective", "images over batch", lambda: L.RandomPerspective(0.5), (6, 6, 3), {}),
+    Case("AveragePooling1D", "activations over batch and channels",
+         lambda: _AfterConv(L.AveragePooling1D(2), L.Conv1D), (6, 4), _filters(1)),
+    Case("AveragePooling2D", "activations over batch and channels, same padding",
+         lambda: _AfterConv(L.AveragePooling2D(3, strides=2, padding="same"), L.Conv2D), (5, 5, 4),
+         _filters(2)),
+    Case("AveragePooling3D", "activations over batch and channels",
+         lambda: _AfterConv(L.AveragePooling3D(2), L.Conv3D), (4, 4, 4, 2), _filters(3)),
+    Case("MaxPooling2D", "activations over batch and channels",
+         lambda: _AfterConv(L.MaxPooling2D(2), L.Conv2D), (6, 6, 4), _filters(2)),
+    Case("GlobalAveragePooling2D", "activations over batch and channels",
+         lambda: _AfterConv(L.GlobalAveragePooling2D(), L.Conv2D), (6, 6, 4), _filters(2)),
     Case("Transformer block", "auto", lambda: _TransformerBlock(), (4, 8), "auto", BOTH, zero_gradient=KEY_BIAS),
     Case("CNN", "auto", lambda: _ConvStack(), (6, 6, 4), "auto"),
 )
@@ -178,6 +196,19 @@ class _AfterColumn(keras.layers.Layer):
 
     def call(self, x, training=None):
         return self.inner(self.column(x), training=training)
+
+
+class _AfterConv(keras.layers.Layer):
+    """A 1x1 conv split over its filters, then the layer: its input is split
+    over "model" on channels."""
+
+    def __init__(self, inner, conv_type, **kwargs):
+        super().__init__(**kwargs)
+        self.conv = conv_type(8, 1, name="conv")
+        self.inner = inner
+
+    def call(self, x):
+        return self.inner(self.conv(x))
 
 
 class _Pooled(keras.layers.Layer):
@@ -281,6 +312,14 @@ def render_page() -> str:
         "calling it with `training=False`, where Keras' RandomCrop keeps its",
         "input's size, so layers whose shapes depend on the crop (`Flatten`, then",
         "`Dense`) fail that build with Keras' own error, on one device too.",
+        "",
+        "Pooling layers run tfmp's form of Keras' `max_pool` and `average_pool`",
+        "(strided slices over the window's taps; `tfmp/lowering/pooling.py`):",
+        "DTensor has no gradient rule for average pooling, with any split, and",
+        "pools channels split by a conv's filters in neither form. Every Keras",
+        "`mean` on a mesh (`GlobalAveragePooling*`, losses) has a broadcast",
+        "gradient (`tfmp/lowering/reduction.py`): DTensor mis-expands the `Tile`",
+        "of TensorFlow's when the kept dimensions are split.",
         "",
         "Not supported on a mesh: `RandomElasticTransform` (it draws with",
         "TensorFlow's random ops directly, which DTensor draws shard by shard), and",

@@ -594,11 +594,11 @@ def conv_transpose(
         x.shape.as_list(),
         kernel_tensor.shape[:-2],
         kernel_tensor.shape[-2],
-        _per_axis(strides, rank),
+        per_axis(strides, rank),
         padding,
         output_padding,
         "channels_last",
-        _per_axis(dilation_rate, rank),
+        per_axis(dilation_rate, rank),
     )
     taps = _taps(x, pinning, kernel_tensor.shape[:-2], strides, padding, dilation_rate, output_shape[1:-1])
     for plan, size in zip(taps.plans, x.shape[1:-1]):
@@ -692,7 +692,8 @@ def _from_channels_last(y: tf.Tensor, data_format: str | None, pinning: Pinning,
     return pinning.transpose(y, f"n{spatial}{channels}", f"n{channels}{spatial}")
 
 
-def _per_axis(value: Any, rank: int) -> list[int]:
+def per_axis(value: Any, rank: int) -> list[int]:
+    """`value`, an int or a sequence, as one int per spatial axis."""
     if isinstance(value, int):
         return [value] * rank
     return [int(v) for v in value]
@@ -713,8 +714,8 @@ def _taps(
     sizes = zip(
         x.shape[1:-1] if spatial is None else spatial,
         kernel_size,
-        _per_axis(strides, rank),
-        _per_axis(dilation_rate, rank),
+        per_axis(strides, rank),
+        per_axis(dilation_rate, rank),
     )
     return Taps(
         tuple(axis_plan(size, taps, stride, dilation, padding) for size, taps, stride, dilation in sizes),

@@ -50,6 +50,8 @@ _FAMILIES = (
     "tfmp.lowering.random",
     "tfmp.lowering.indexing",
     "tfmp.lowering.image",
+    "tfmp.lowering.pooling",
+    "tfmp.lowering.reduction",
 )
 
 

@@ -1,0 +1,167 @@
+"""Max and average pooling as elementwise ops over the window's taps.
+
+DTensor has no layout propagation for the gradient of average pooling
+(`AvgPoolGrad`, `AvgPool3DGrad`), so no model with an `AveragePooling` layer
+trains on a mesh, not even a batch split; and it expands `MaxPool` for a
+batch split only, so a max pooling after a conv split over its filters
+fails. Written over the window's taps,
+
+    y = max (or mean) over taps t of x shifted by t
+
+a pooling is made of strided slices, maximums and sums, which DTensor lays
+out whatever the split of batch and channels, with TensorFlow's gradients.
+The taps are the conv lowering's (`tfmp.lowering.conv.Taps`): zero padding
+is a strided slice's gradient.
+
+Average pooling divides by how many of the window's positions lie inside
+the input, as TensorFlow's does with padding "same"; max pooling reads the
+padding as the lowest value of the dtype, so that it never wins. Taps are
+compared in window order and a tie goes to the earlier one, as TensorFlow's
+`MaxPoolGrad` sends a tie's gradient to the first maximum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+from keras.src.backend import standardize_data_format
+
+from tfmp.lowering.conv import Pinning, Taps, axis_plan, per_axis
+from tfmp.lowering.registry import Lowering
+
+
+def max_pool(
+    inputs: Any,
+    pool_size: Any,
+    strides: Any = None,
+    padding: str = "valid",
+    data_format: str | None = None,
+) -> tf.Tensor:
+    """`keras.src.backend.tensorflow.nn.max_pool` as a maximum over the
+    window's taps.
+
+    Args:
+        inputs: `(batch, *spatial, channels)`, or channels first.
+        pool_size: An int or one per spatial axis.
+        strides: An int, one per spatial axis, or None (`pool_size`).
+        padding: `"valid"` or `"same"`.
+        data_format: `"channels_last"`, `"channels_first"` or None.
+
+    Returns:
+        The pooled tensor, in `data_format`.
+    """
+
+    def pool(x: tf.Tensor, taps: Taps) -> tf.Tensor:
+        inside = _inside(taps, x.dtype)
+        lowest = tf.constant(x.dtype.min, x.dtype)
+        padded = taps.pad(x) + (1 - inside) * lowest
+        windows = [padded[taps.window(tap)] for tap in taps.indices]
+        y = windows[0]
+        for window in windows[1:]:
+            y = tf.maximum(y, window)  # a tie keeps `y`: the earlier tap
+        return y
+
+    return _pooled(inputs, pool_size, strides, padding, data_format, pool)
+
+
+def average_pool(
+    inputs: Any,
+    pool_size: Any,
+    strides: Any = None,
+    padding: str = "valid",
+    data_format: str | None = None,
+) -> tf.Tensor:
+    """`keras.src.backend.tensorflow.nn.average_pool` as a sum over the
+    window's taps, divided by the positions of each window inside the input.
+
+    Args:
+        inputs: `(batch, *spatial, channels)`, or channels first.
+        pool_size: An int or one per spatial axis.
+        strides: An int, one per spatial axis, or None (`pool_size`).
+        padding: `"valid"` or `"same"`.
+        data_format: `"channels_last"`, `"channels_first"` or None.
+
+    Returns:
+        The pooled tensor, in `data_format`.
+    """
+
+    def pool(x: tf.Tensor, taps: Taps) -> tf.Tensor:
+        padded = taps.pad(x)
+        total = tf.add_n([padded[taps.window(tap)] for tap in taps.indices])
+        return total / _window_counts(taps, x.dtype)
+
+    return _pooled(inputs, pool_size, strides, padding, data_format, pool)
+
+
+def _pooled(
+    inputs: Any,
+    pool_size: Any,
+    strides: Any,
+    padding: str,
+    data_format: str | None,
+    pool: Callable[[tf.Tensor, Taps], tf.Tensor],
+) -> tf.Tensor:
+    """`pool` applied channels last to the taps of `inputs`' windows."""
+    x = tf.convert_to_tensor(inputs)
+    rank = x.shape.rank - 2
+    channels_first = standardize_data_format(data_format) == "channels_first"
+    if channels_first:
+        x = tf.transpose(x, [0] + list(range(2, rank + 2)) + [1])
+    sizes = per_axis(pool_size, rank)
+    steps = sizes if strides is None else per_axis(strides, rank)
+    plans = tuple(
+        axis_plan(size, taps, stride, 1, padding.lower())
+        for size, taps, stride in zip(x.shape[1:-1], sizes, steps)
+    )
+    y = pool(x, Taps(plans, Pinning()))
+    if channels_first:
+        y = tf.transpose(y, [0, rank + 1] + list(range(1, rank + 1)))
+    return y
+
+
+def _inside(taps: Taps, dtype: tf.DType) -> tf.Tensor:
+    """1 where the padded input holds the input, 0 in the padding: shape
+    `(1, *padded spatial, 1)`."""
+    masks = [np.pad(np.ones(plan.size), plan.pads) for plan in taps.plans]
+    return tf.constant(_outer(masks)[None, ..., None], dtype)
+
+
+def _window_counts(taps: Taps, dtype: tf.DType) -> tf.Tensor:
+    """How many positions of each output's window lie inside the input:
+    shape `(1, *output spatial, 1)`."""
+    counts = []
+    for plan in taps.plans:
+        inside = np.pad(np.ones(plan.size), plan.pads)
+        counts.append(
+            np.array([
+                inside[o * plan.stride : o * plan.stride + plan.taps].sum()
+                for o in range(plan.output)
+            ])
+        )
+    return tf.constant(_outer(counts)[None, ..., None], dtype)
+
+
+def _outer(vectors: list[np.ndarray]) -> np.ndarray:
+    """The outer product of `vectors`, one axis each."""
+    result = vectors[0]
+    for vector in vectors[1:]:
+        result = np.multiply.outer(result, vector)
+    return result
+
+
+LOWERINGS: tuple[Lowering, ...] = (
+    Lowering(
+        "keras.src.backend.tensorflow.nn",
+        "average_pool",
+        f"{__name__}:average_pool",
+        "AvgPoolGrad and AvgPool3DGrad have no layout propagation",
+    ),
+    Lowering(
+        "keras.src.backend.tensorflow.nn",
+        "max_pool",
+        f"{__name__}:max_pool",
+        "MaxPool expands a batch split only: channels split by a conv's filters fail",
+    ),
+)
