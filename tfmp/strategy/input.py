@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import input_lib
 
+from tfmp import distributed
 from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.placement import BatchPlacer
 
@@ -82,7 +83,10 @@ class MeshIterator:
     While the step on batch k runs, a worker thread reads batch k+2 on the
     host and packs batch k+1 onto the mesh, so the step does not wait for the
     host. Reading one batch further ahead tells whether a batch is the last
-    (a partial last batch is laid out to stay exact).
+    (a partial last batch is laid out to stay exact). In a multi-client run
+    the batch is placed in the caller's thread, still one step ahead: there,
+    a worker thread's eager ops broke Orbit's summary writer ("Resource
+    .../SummaryWriterInterface does not exist" in the run after a restore).
     """
 
     def __init__(
@@ -99,8 +103,24 @@ class MeshIterator:
         self._known_length = known_length
         self._first_step_graphs = first_step_graphs
         first_step_graphs.on_new_iterator()
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfmp-input")
-        self._ahead = self._worker.submit(self._place_next, self._pull())
+        self._worker = (
+            None
+            if distributed.cluster()
+            else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfmp-input")
+        )
+        self._ahead = self._submit(self._pull())
+
+    def _submit(self, batch: Any) -> concurrent.futures.Future:
+        """Places `batch` (and reads the one after it) on the worker thread,
+        or now where there is none."""
+        if self._worker is not None:
+            return self._worker.submit(self._place_next, batch)
+        placed = concurrent.futures.Future()
+        try:
+            placed.set_result(self._place_next(batch))
+        except Exception as error:  # raised when the batch is asked for, as on the worker
+            placed.set_exception(error)
+        return placed
 
     def _pull(self) -> Any:
         try:
@@ -131,7 +151,8 @@ class MeshIterator:
             )
         ahead = self._ahead.result()
         if ahead is None:
-            self._worker.shutdown(wait=False)
+            if self._worker is not None:
+                self._worker.shutdown(wait=False)
             self._first_step_graphs.finish()
             if self._known_length:
                 raise StopIteration
@@ -140,7 +161,7 @@ class MeshIterator:
             raise tf.errors.OutOfRangeError(None, None, "End of dataset.")
         placed, following = ahead
         self._first_step_graphs.on_batch()
-        self._ahead = self._worker.submit(self._place_next, following)
+        self._ahead = self._submit(following)
         return placed
 
     def get_next(self) -> Any:
