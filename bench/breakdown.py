@@ -64,30 +64,13 @@ import sys
 import tempfile
 import time
 
+from compare_jax import FULL, QUICK  # the same LM, sizes and batches
+
 SEED = 0
 NUM_DEVICES = 8
 MESH_AXES = ("batch", "model")
 DROPPED_GAPS = 1  # per timed fit: the first gap after `fit` starts
 PROFILED_STEPS = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class Size:
-    vocab_size: int
-    seq_len: int
-    d_model: int
-    num_heads: int
-    ffn_dim: int
-    batch: int
-
-    def model_kwargs(self) -> dict:
-        kwargs = dataclasses.asdict(self)
-        del kwargs["batch"]
-        return kwargs
-
-
-FULL = Size(vocab_size=512, seq_len=32, d_model=128, num_heads=8, ffn_dim=512, batch=32)
-QUICK = Size(vocab_size=64, seq_len=8, d_model=32, num_heads=8, ffn_dim=64, batch=32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,8 +148,8 @@ def _cycle_within(graph: dict[str, set[str]], group: set[str]) -> list[str]:
 
 
 def test_every_module_has_a_layer():
-    for module in module_files():
-        layer_of(module)
+    layers = {module: layer_of(module) for module in module_files()}
+    assert layers and all(0 <= layer < len(LAYERS) for layer in layers.values())
 
 
 def test_no_module_imports_a_higher_layer():

@@ -26,13 +26,12 @@ def steps_per_call(make_function: Callable) -> Callable:
 
     @functools.wraps(make_function)
     def wrapper(self, step_function):
-        function = make_function(self, step_function)
         if (
             extended_of(self.distribute_strategy) is None
             or self.run_eagerly
             or self.steps_per_execution == 1
         ):
-            return function
+            return make_function(self, step_function)
         return _multi_step_function(self, step_function)
 
     return wrapper
