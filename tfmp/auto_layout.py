@@ -18,6 +18,8 @@ The plan, as a reader would write it by hand:
 | SeparableConv                          | depthwise on channels, pointwise row-parallel|
 | mixture-of-experts bank                | split on experts                             |
 | LSTM, GRU, SimpleRNN, ConvLSTM cells   | split on gate units                          |
+| any other weight of rank 2 or more     | stored split on its largest dimension,       |
+|                                        | gathered on use (`tfmp.gather_on_use`)       |
 | anything else                          | replicated (norms, biases of row layers)     |
 
 Layers are visited in call order in functional models (their ops too) and in
@@ -44,7 +46,7 @@ from typing import Any, Callable, Iterable, Iterator
 import keras
 from keras.src.models.functional import Functional
 
-from tfmp.layout import Axes, LayoutMap
+from tfmp.layout import Axes, LayoutMap, gather_on_use
 from tfmp.mesh import as_device_mesh
 
 
@@ -113,18 +115,25 @@ class _Plan:
                 self.reasons.setdefault(variable.path, why)
 
 
-def auto_layout(model: Any, mesh: Any, axis: str = "model") -> LayoutMap:
+def auto_layout(
+    model: Any, mesh: Any, axis: str = "model", storage_split: bool = True
+) -> LayoutMap:
     """Plans Megatron-style tensor-parallel layouts for a Keras model.
 
     Args:
         model: A built Keras model (or one with known input shapes).
         mesh: The `tfmp.DeviceMesh` the layouts are for.
         axis: The mesh axis to split weights over.
+        storage_split: Also split, for memory only, every floating-point
+            weight of rank 2 or more that no tensor-parallel layout splits
+            (a patch embedding, a convolution between norms): stored split
+            over `axis` on its largest dimension that divides, and gathered
+            on use (`tfmp.gather_on_use`), one all-gather per forward pass.
 
     Returns:
         A `tfmp.LayoutMap` with one rule per split variable, matching exactly
         its path (`^path$`).
-        `layout_map.reasons` says, per variable left whole, why.
+        `layout_map.reasons` says, per variable not split for compute, why.
 
     Examples:
         >>> layout_map = tfmp.auto_layout(model, mesh)
@@ -143,12 +152,17 @@ def auto_layout(model: Any, mesh: Any, axis: str = "model") -> LayoutMap:
         )
     plan = plan_layers(visits(model), axis, mesh.axis_size(axis))
     _drop_rules_of_shared_paths(plan, model.weights)
+    if storage_split:
+        _split_storage(plan, model.weights)
     layout_map = LayoutMap(mesh)
     for path, axes in plan.rules.items():
         # Anchored: "proj/kernel" must not also match "out_proj/kernel".
         layout_map[f"^{re.escape(path)}$"] = axes
     layout_map.reasons = plan.reasons
-    undivided = [path for path, why in plan.reasons.items() if "does not divide" in why]
+    undivided = [
+        path for path, why in plan.reasons.items()
+        if "does not divide" in why and path not in plan.rules
+    ]
     if undivided:
         warnings.warn(
             f"tfmp: auto_layout left {undivided} replicated: their split dimension "
@@ -163,9 +177,7 @@ def _drop_rules_of_shared_paths(plan: _Plan, weights: Iterable[Any]) -> None:
     Two sub-models may give variables the same path (CLIP's vision and text
     towers both have `encoder_block_0/...`): their rule stays only if it
     fits every shape they have."""
-    shapes: dict[str, set[tuple[int, ...]]] = {}
-    for variable in weights:
-        shapes.setdefault(variable.path, set()).add(tuple(variable.shape))
+    shapes = _shapes_by_path(weights)
     for path, axes in list(plan.rules.items()):
         misfits = sorted(shape for shape in shapes[path] if not _fits(axes, shape, plan.size))
         if misfits:
@@ -174,6 +186,36 @@ def _drop_rules_of_shared_paths(plan: _Plan, weights: Iterable[Any]) -> None:
                 f"path shared by variables of shapes {sorted(shapes[path])}: the rule "
                 f"{axes} does not fit {misfits}; left replicated"
             )
+
+
+def _split_storage(plan: _Plan, weights: Iterable[Any]) -> None:
+    """Gives each floating-point weight of rank 2 or more that has no rule a
+    `gather_on_use` layout over the plan's axis, on its largest dimension
+    that divides (in every variable sharing its path)."""
+    weights = list(weights)
+    shapes = _shapes_by_path(weights)
+    for variable in weights:
+        path, rank = variable.path, len(variable.shape)
+        if path in plan.rules or rank < 2 or not str(variable.dtype).startswith(("float", "bfloat")):
+            continue
+        if {len(shape) for shape in shapes[path]} != {rank}:
+            continue
+        dims = [dim for dim in range(rank) if all(shape[dim] % plan.size == 0 for shape in shapes[path])]
+        if not dims:
+            continue
+        dim = max(dims, key=lambda dim: (int(variable.shape[dim]), -dim))
+        axes = [None] * rank
+        axes[dim] = plan.axis
+        plan.rules[path] = gather_on_use(axes)
+        why = plan.reasons.get(path, "not split for compute")
+        plan.reasons[path] = f"{why}; stored split on dimension {dim}, gathered on use"
+
+
+def _shapes_by_path(weights: Iterable[Any]) -> dict[str, set[tuple[int, ...]]]:
+    shapes: dict[str, set[tuple[int, ...]]] = {}
+    for variable in weights:
+        shapes.setdefault(variable.path, set()).add(tuple(int(size) for size in variable.shape))
+    return shapes
 
 
 def _fits(axes: Axes, shape: tuple[int, ...], size: int) -> bool:

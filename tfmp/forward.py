@@ -5,9 +5,11 @@ layout: where its shards live between steps. A layer's forward pass reads it
 in its compute layout: the storage layout with the batch axis gathered, since
 the activations a weight meets are split over that axis already (DTensor
 refuses a contraction split over two mesh axes, and a dimension split over
-the axis that splits the batch). Gathering on use, and DTensor reducing the
-gradient back to the stored layout, is fully sharded data parallelism
-(ZeRO-3); it is also what GSPMD does on JAX with the same rules.
+the axis that splits the batch), and with the axes of a `tfmp.gather_on_use`
+layout gathered (a weight split for memory only). Gathering on use, and
+DTensor reducing the gradient back to the stored layout, is fully sharded
+data parallelism (ZeRO-3); it is also what GSPMD does on JAX with the same
+rules.
 
 While a layer's forward pass is traced on a mesh, `forward_mesh()` names that
 mesh: tfmp's lowerings of ops DTensor cannot expand (`tfmp.lowering`) use it
@@ -108,14 +110,6 @@ def microbatched_step() -> MicrobatchedStep | None:
     if tf.executing_eagerly():
         return None
     return getattr(_forward, "step", None)
-
-
-def compute_layout(layout: dtensor.Layout, gathered_axes: tuple[str, ...]) -> dtensor.Layout:
-    """`layout` with every dimension split over one of `gathered_axes` made whole."""
-    specs = [
-        dtensor.UNSHARDED if spec in gathered_axes else spec for spec in layout.sharding_specs
-    ]
-    return dtensor.Layout(specs, layout.mesh)
 
 
 def batch_spec(inputs: Any, mesh: dtensor.Mesh, other_axis: str) -> str:

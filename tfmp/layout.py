@@ -18,6 +18,45 @@ from tfmp.mesh import DeviceMesh, as_device_mesh
 Axes = tuple  # one entry per tensor dimension: a mesh axis name or None
 
 
+class GatheredOnUse(tuple):
+    """Axes a variable is stored split over, read whole by its layer.
+
+    Made by `gather_on_use`; a `LayoutMap` value or a layer's declared layout.
+    """
+
+    def __repr__(self) -> str:
+        return f"gather_on_use({tuple(self)!r})"
+
+
+def gather_on_use(axes: Sequence[str | None]) -> GatheredOnUse:
+    """A layout that splits a variable for memory only: its layer reads it whole.
+
+    The variable's shards live on the devices of the mesh axes in `axes`, as
+    with any layout, and so do its optimizer slots; in its layer's forward
+    pass it is gathered over those axes (one all-gather per axis), and its
+    gradient comes back split. This is fully sharded data parallelism over
+    any mesh axis: for weights whose layer has no tensor-parallel partner (a
+    patch embedding, a convolution between two norms) or that an op cannot
+    compute with split. `tfmp.auto_layout` gives it to the weights it cannot
+    split for compute.
+
+    Args:
+        axes: One mesh axis name or None per dimension of the variable.
+
+    Returns:
+        The axes, marked as gathered on use.
+
+    Examples:
+        >>> import tfmp
+        >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+        >>> layout_map = tfmp.LayoutMap(mesh)
+        >>> layout_map["patch_embedding/kernel"] = tfmp.gather_on_use((None, None, None, "model"))
+        >>> layout_map["patch_embedding/kernel"]
+        gather_on_use((None, None, None, 'model'))
+    """
+    return GatheredOnUse(_as_axes(axes))
+
+
 class LayoutMap(collections.abc.MutableMapping):
     """Maps variable paths to the mesh axes their dimensions are split over.
 
@@ -183,7 +222,7 @@ def _as_axes(axes: Any) -> Axes:
                 f"Layout {tuple(axes)} holds {axis!r}: each entry must be a mesh "
                 "axis name or None."
             )
-    return tuple(axes)
+    return GatheredOnUse(axes) if isinstance(axes, GatheredOnUse) else tuple(axes)
 
 
 _declarations = threading.local()

@@ -23,6 +23,7 @@ from tfmp.strategy.stage_hooks import StageHooks
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.variable_layout import (
     fully_sharded,
+    gathered_axes,
     keras_variable_being_created,
     resolve_layout,
 )
@@ -81,6 +82,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         )
         stage = self.stages.stage_of_new_variable(keras_variable, colocate_with)
         mesh = self.stages.mesh_of(stage)
+        declared = declared_layout(path, keras_variable)
+        rule = self.layout_map.match(path)
 
         def initial_value_on_mesh():
             # Computed on the host so that each device only ever holds its shard.
@@ -93,15 +96,20 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 value.dtype,
                 mesh,
                 colocated=colocate_with,
-                declared=declared_layout(path, keras_variable),
-                rule=self.layout_map.match(path),
+                declared=declared,
+                rule=rule,
                 fully_shard_axis=self.fully_shard_axis,
             )
             return to_layout(value, layout)
 
         with dtensor.default_mesh(mesh.dtensor_mesh):
             return MeshVariable(
-                initial_value_on_mesh, path=path, placer=self.placer, stage=stage, **kwargs
+                initial_value_on_mesh,
+                path=path,
+                placer=self.placer,
+                stage=stage,
+                gathered_axes=gathered_axes(self.placer.batch_axis, declared, rule),
+                **kwargs,
             )
 
     def prepare(self, model: Any) -> None:
@@ -150,13 +158,23 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
             if self.fully_shard_axis is not None and variable.dtype.startswith("float"):
                 layout = fully_sharded(layout, variable.shape, self.fully_shard_axis)
-            self.move_variable(variable, layout)
+            self.move_variable(
+                variable, layout, gathered=gathered_axes(self.placer.batch_axis, rule=match)
+            )
         self.layout_map = plan
 
-    def move_variable(self, variable: Any, layout: dtensor.Layout, stage: int | None = None) -> None:
+    def move_variable(
+        self,
+        variable: Any,
+        layout: dtensor.Layout,
+        stage: int | None = None,
+        gathered: tuple[str, ...] | None = None,
+    ) -> None:
         """Gives a Keras variable a new value with `layout`, held by `stage`
-        (by default the stage that holds it now): for a planned layout, or a
-        pipeline stage's variable made before its stage was known."""
+        (by default the stage that holds it now) and gathered on use over the
+        axes `gathered` (by default those it is gathered over now): for a
+        planned layout, or a pipeline stage's variable made before its stage
+        was known."""
         value = variable.value
         with dtensor.default_mesh(layout.mesh):
             variable._value = MeshVariable(  # noqa: SLF001
@@ -164,6 +182,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 path=value.path,
                 placer=self.placer,
                 stage=value.stage if stage is None else stage,
+                gathered_axes=value.gathered_axes if gathered is None else gathered,
                 name=value.name.split(":")[0],
                 trainable=value.trainable,
                 dtype=value.dtype,

@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.forward import GATHER_SCOPE, compute_layout, forward_mesh
+from tfmp.forward import GATHER_SCOPE, forward_mesh
 from tfmp.layout import replicated
 from tfmp.strategy.placement import to_layout
 
@@ -21,6 +21,11 @@ class MeshVariable(dtensor.DVariable):
     `set_weights`, `load_weights` and loading onto a different mesh work. Reading
     it to numpy gathers the shards.
 
+    In a layer's forward pass it is read in its compute layout: gathered over
+    the mesh axes in `gathered_axes` (the batch axis, with fully sharded
+    weights; the axes of a `tfmp.gather_on_use` layout), one axis per
+    relayout, as `tfmp.layout.replicated` explains.
+
     (Not named `ShardedVariable`: tf_keras takes any class of that name for
     TF's parameter-server variable and would track each row as a weight.)
     """
@@ -32,20 +37,23 @@ class MeshVariable(dtensor.DVariable):
         path: str = "",
         placer: Any = None,
         stage: int | None = None,
+        gathered_axes: tuple[str, ...] = (),
         **kwargs,
     ):
         super().__init__(initial_value, *args, **kwargs)
         self.path = path or self.name
         self.placer = placer  # packs host batches for models using this variable
         self.stage = stage  # the pipeline stage whose mesh holds it, if any
-        batch_axis = getattr(placer, "batch_axis", None)
-        self.compute_layout = compute_layout(self.layout, (batch_axis,) if batch_axis else ())
+        self.gathered_axes = gathered_axes
+        self._gathers = gather_steps(self.layout, gathered_axes)
+        self.compute_layout = self._gathers[-1] if self._gathers else self.layout
 
     def _read_variable_op(self, no_copy=False):
         value = super()._read_variable_op(no_copy=no_copy)
-        if self.compute_layout != self.layout and forward_mesh() is not None:
+        if self._gathers and forward_mesh() is not None:
             with tf.name_scope(GATHER_SCOPE):
-                return dtensor.relayout(value, self.compute_layout)
+                for layout in self._gathers:
+                    value = dtensor.relayout(value, layout)
         return value
 
     def _on_mesh(self, value: Any) -> Any:
@@ -82,6 +90,17 @@ class MeshVariable(dtensor.DVariable):
     def __array__(self, dtype=None, copy=None):
         del copy  # numpy() already returns a fresh host copy
         return np.asarray(self.numpy(), dtype=dtype)
+
+
+def gather_steps(layout: dtensor.Layout, axes: tuple[str, ...]) -> list[dtensor.Layout]:
+    """The layouts that gather `layout` over each of `axes` it uses, one axis
+    at a time (the last is the compute layout); empty if it uses none."""
+    specs, steps = list(layout.sharding_specs), []
+    for dim, spec in enumerate(specs):
+        if spec in axes:
+            specs[dim] = dtensor.UNSHARDED
+            steps.append(dtensor.Layout(specs, layout.mesh))
+    return steps
 
 
 def sparse_passing_relayout_gradient(relayout_gradient: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.layout import Axes, axes_to_layout
+from tfmp.layout import Axes, GatheredOnUse, axes_to_layout
 from tfmp.mesh import DeviceMesh
 
 _creating = threading.local()
@@ -94,6 +94,25 @@ def resolve_layout(
     if fully_shard_axis is None or not tf.as_dtype(dtype).is_floating:
         return layout
     return fully_sharded(layout, shape, fully_shard_axis)
+
+
+def gathered_axes(
+    batch_axis: str | None,
+    declared: tuple[str, Axes] | None = None,
+    rule: tuple[str, Axes] | None = None,
+) -> tuple[str, ...]:
+    """The mesh axes a variable is gathered over when its layer reads it.
+
+    The batch axis (the activations a weight meets are split over it, so a
+    weight split over it is fully sharded), and every axis of the layout it
+    gets (its layer's declaration, else the rule) if that is a
+    `tfmp.gather_on_use` layout.
+    """
+    axes = (declared or rule or (None, ()))[1]
+    gathered = [batch_axis] if batch_axis else []
+    if isinstance(axes, GatheredOnUse):
+        gathered += [axis for axis in axes if axis and axis not in gathered]
+    return tuple(gathered)
 
 
 def fully_sharded(layout: dtensor.Layout, shape: Sequence[int], axis: str) -> dtensor.Layout:
