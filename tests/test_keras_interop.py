@@ -322,3 +322,23 @@ def test_backbone_with_its_own_layout_map_matches_single_device(keras_hub, name)
     # The MoE blocks hold experts where the rules expect a dense FFN.
     unmatched = strategy.layout_map.unmatched_keys()
     assert all("feedforward" in key for key in unmatched) if "moe" in name else not unmatched
+
+
+def test_backbone_fully_sharded_with_auto_layout_matches_single_device(keras_hub):
+    """Llama with `layout_map="auto"` and `fully_shard=True` on 2x4: every
+    weight of rank 2 is split over both axes; those split over "model" for
+    memory only are gathered over both as their layer reads them, one axis
+    at a time."""
+    strategy = tfmp.ModelParallelStrategy(
+        tfmp.DeviceMesh((2, 4), ("batch", "model")), layout_map="auto", fully_shard=True
+    )
+    x, _, padding_mask = token_data(n=20)
+    labels = np.random.default_rng(SEED).integers(0, 4, size=(len(padding_mask),))
+    model = assert_parity(
+        lambda: build_hub_classifier(keras_hub, "llama"), None, x, labels, strategy=strategy,
+        compile_fn=compile_classifier, steps=5, loss_atol=0, batch_size=4,
+    )
+    matrices = [v.value for v in model.trainable_variables if len(v.shape) == 2]
+    assert matrices and all({"batch", "model"} <= set(v.layout.sharding_specs) for v in matrices)
+    gathered_twice = [v for v in matrices if v.gathered_axes == ("batch", "model")]
+    assert gathered_twice and all(v.compute_layout.is_fully_replicated() for v in gathered_twice)
