@@ -16,4 +16,12 @@ PATCHES = (
         parameters=("op", "grad"),
         kind="gradient",
     ),
+    Patch(
+        "tensorflow.python.framework.func_graph:FuncGraph",
+        "capture",
+        "tfmp.strategy.keras_hooks:mesh_captures",
+        "A step that uses a host tensor made outside it (a constant a model "
+        "holds) gets it as an input, and DTensor refuses host inputs.",
+        parameters=("tensor", "name", "shape"),
+    ),
 )

@@ -1,4 +1,5 @@
-"""One-hot encoding and top-k selection written with elementwise ops.
+"""One-hot encoding, top-k selection and identity matrices written with
+elementwise ops.
 
 - DTensor's `OneHot` expansion breaks when layout propagation splits the new
   class dimension (a mixture of experts' routing mask, whose experts are split
@@ -10,18 +11,36 @@
   index into shape [64]"). Here the indices come from `top_k` of the input
   with its gradient stopped, and the values are selected by a one-hot mask,
   whose gradient is elementwise.
+- DTensor's `GatherV2` expansion requires the output to be split like the
+  table on the table's other dimensions, and layout propagation may ask
+  otherwise: an embedding split on the vocabulary, read by a layer that
+  wants its features split over "model" (Gemma 3n), fails with "input and
+  output layout do not agree on non-axis dim 1". A lookup into a weight
+  read split on the looked-up dimension only relayouts its output: the
+  first dimension (the batch's) stays as it is, the others whole, as the
+  gather makes them.
+- `tf.eye` is a `MatrixDiagV3`, which DTensor has no layout rule for
+  ("'tf.MatrixDiagV3' op does not implement layout propagation"; Qwen 3.5's
+  gated delta net adds `ops.eye(chunk_size)`). `rows + k == columns` is the
+  same matrix.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import keras
 import tensorflow as tf
+from keras.src.backend import config
+from keras.src.backend.common.variables import standardize_dtype
+from tensorflow.experimental import dtensor
 
+from tfmp.forward import forward_mesh
 from tfmp.lowering.registry import Lowering, keras_original
 
 _KERAS_NN = "keras.src.backend.tensorflow.nn"
 _KERAS_MATH = "keras.src.backend.tensorflow.math"
+_KERAS_NUMPY = "keras.src.backend.tensorflow.numpy"
 
 
 def one_hot(x: Any, num_classes: int, axis: int = -1, dtype: Any = None, sparse: bool = False):
@@ -49,6 +68,49 @@ def top_k(x: Any, k: int, sorted: bool = True):  # noqa: A002 (Keras' argument n
     return values, indices
 
 
+def take(x: Any, indices: Any, axis: Any = None):
+    """`keras.ops.take` on a mesh: rows of a weight split on the looked-up
+    dimension only (an embedding split on its vocabulary) come out with
+    only their first dimension split."""
+    original = keras_original(_KERAS_NUMPY, "take")
+    specs = _compute_specs(x)
+    if (
+        forward_mesh() is None
+        or axis is None
+        or specs is None
+        or isinstance(indices, (tf.SparseTensor, tf.RaggedTensor))
+    ):
+        return original(x, indices, axis)
+    axis %= len(specs)
+    if specs[axis] == dtensor.UNSHARDED or any(
+        spec != dtensor.UNSHARDED for i, spec in enumerate(specs) if i != axis
+    ):
+        return original(x, indices, axis)
+    taken = original(x, indices, axis)
+    if not taken.shape.rank:
+        return taken
+    output = [dtensor.MATCH] + [dtensor.UNSHARDED] * (taken.shape.rank - 1)
+    return dtensor.relayout(taken, dtensor.Layout(output, forward_mesh()))
+
+
+def _compute_specs(x: Any) -> list[str] | None:
+    """The sharding specs a weight is read with in a forward pass on a mesh
+    (its storage layout, less the axes gathered on use), or None (not a
+    variable on a tfmp mesh)."""
+    if not isinstance(x, keras.Variable):
+        return None
+    layout = getattr(getattr(x, "_value", None), "compute_layout", None)
+    return None if layout is None else list(layout.sharding_specs)
+
+
+def eye(N: Any, M: Any = None, k: Any = 0, dtype: Any = None):  # noqa: N803 (Keras' names)
+    """`keras.ops.eye` on a mesh: ones where the column is the row plus `k`."""
+    dtype = standardize_dtype(dtype or config.floatx())
+    M = N if M is None else M  # noqa: N806
+    rows = tf.range(N, dtype="int32")[:, None] + tf.cast(k, "int32")
+    return tf.cast(tf.equal(rows, tf.range(M, dtype="int32")[None, :]), dtype)
+
+
 LOWERINGS = (
     Lowering(
         _KERAS_NN,
@@ -61,5 +123,17 @@ LOWERINGS = (
         "top_k",
         "tfmp.lowering.indexing:top_k",
         "TopKV2's gradient scatters by global positions into a split input",
+    ),
+    Lowering(
+        _KERAS_NUMPY,
+        "take",
+        "tfmp.lowering.indexing:take",
+        "GatherV2's expansion refuses an output split unlike the table",
+    ),
+    Lowering(
+        _KERAS_NUMPY,
+        "eye",
+        "tfmp.lowering.indexing:eye",
+        "tf.eye is a MatrixDiagV3, which DTensor has no layout rule for",
     ),
 )

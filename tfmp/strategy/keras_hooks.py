@@ -12,33 +12,46 @@ batches they feed train it (a pipeline checks that a training batch splits
 into its micro-batches). Anything else passes through untouched. A pipeline
 model's `train_step` and `test_step` are the pipeline's
 (`tfmp.pipeline.keras_hooks`). Which Keras attribute each wrapper replaces
-is declared in `tfmp.integrations.keras`.
+is declared in `tfmp.integrations.keras`. Two more meet TensorFlow and Keras
+variables: a host tensor a step captures (a constant the model holds) reaches
+the mesh (`mesh_captures`), and an initializer holding a tensor made in the
+scope computes on the host (`host_initializer`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import os
 import tempfile
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
+from tensorflow.python.framework import dtypes, ops
 
 from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy import errors
 from tfmp.strategy.extended import extended_of
-from tfmp.strategy.placement import BatchPlacer, replicate
+from tfmp.strategy.placement import BatchPlacer, replicate, to_host
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
 from tfmp.strategy.variable_layout import creating
 
 _state = threading.local()
+_VALUE_DTYPES = dtypes.TF_VALUE_DTYPES
+# Per graph being traced: the host tensors it captured, by id and mesh.
+_host_captures: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+# Host tensors of up to this many elements that a step captures become
+# constants of its graph; larger ones are copied onto the mesh once.
+_CONSTANT_ELEMENTS = 1 << 20
 
 # The Keras methods whose batches train the model.
 _TRAINING_METHODS = ("fit", "train_on_batch")
@@ -54,6 +67,37 @@ def announced(initialize: Callable) -> Callable:
             return initialize(self, value)
 
     return wrapper
+
+
+def host_initializer(initialize_with_initializer: Callable) -> Callable:
+    """tfmp computes a new variable's initial value on the host, then sends
+    each device its shard. An initializer that holds a tensor made in the
+    strategy's scope holds a DTensor (in the scope, ops run on the mesh):
+    MoonshineRotaryEmbedding's `Constant(1 / base ** (ops.arange(...) / n))`
+    multiplied it with host ones ("The op/function Mul got a regular tensor
+    for input 1 (shape [1]) but was expecting a DTensor"). Such values are
+    brought to the host, in a copy of the initializer."""
+
+    @functools.wraps(initialize_with_initializer)
+    def wrapper(self, initializer):
+        held = getattr(initializer, "__dict__", {})
+        on_mesh = {name: value for name, value in held.items() if _is_dtensor(value)}
+        if on_mesh:
+            initializer = copy.copy(initializer)
+            for name, value in on_mesh.items():
+                setattr(initializer, name, to_host(value))
+        return initialize_with_initializer(self, initializer)
+
+    return wrapper
+
+
+def _is_dtensor(value: Any) -> bool:
+    """Whether `value` is an eager DTensor (asked eagerly: DTensor answers
+    only outside graphs)."""
+    if not isinstance(value, ops.EagerTensor):
+        return False
+    with tf.init_scope():
+        return dtensor.is_dtensor(value)
 
 
 def placer_for(layer: Any) -> BatchPlacer | None:
@@ -227,3 +271,64 @@ def on_batch(method: Callable) -> Callable:
                 return method(*bound.args, **bound.kwargs)
 
     return wrapper
+
+
+def mesh_captures(capture: Callable) -> Callable:
+    """`FuncGraph.capture` for a step traced on a tfmp mesh.
+
+    A tensor made outside the step and used in it (a constant a functional
+    model holds, such as ViTDet's `x - ops.array(mean)`, or one a layer
+    made in `build`) is captured: TensorFlow passes the host tensor to the
+    function as an input, and DTensor refuses host inputs other than small
+    integers ("got a regular tensor for input 2 (shape [3]) but was
+    expecting a DTensor"). While a forward pass is traced on a mesh, or a
+    function in a tfmp strategy's replica context, such a tensor becomes a
+    constant of the graph (DTensor replicates it), or, if it is large, a
+    replicated copy on the mesh. Its value is the same, so the step computes
+    what one device computes.
+    """
+
+    @functools.wraps(capture)
+    def wrapper(self, tensor, name=None, shape=None):
+        if not _is_host_value(tensor):
+            return capture(self, tensor, name, shape)
+        mesh = forward_mesh()
+        if mesh is None:
+            extended = _replica_extended()
+            if extended is None:
+                return capture(self, tensor, name, shape)
+            mesh = extended.home_mesh.dtensor_mesh
+        cache = _host_captures.setdefault(self, {})
+        key = (id(tensor), mesh.to_string())
+        if key not in cache:
+            if tensor.shape.num_elements() <= _CONSTANT_ELEMENTS:
+                with self.as_default(), tf.control_dependencies(None):
+                    value = tf.constant(tensor.numpy(), dtype=tensor.dtype, name="host_constant")
+            else:
+                with tf.init_scope():
+                    moved = dtensor.copy_to_mesh(
+                        tensor, dtensor.Layout.replicated(mesh, tensor.shape.rank)
+                    )
+                value = capture(self, moved, name, shape)
+            # The host tensor is kept so that its id is not reused.
+            cache[key] = (tensor, value)
+        return cache[key][1]
+
+    return wrapper
+
+
+def _is_host_value(tensor: Any) -> bool:
+    """An eager tensor of values (not a resource, not a DTensor)."""
+    return (
+        isinstance(tensor, ops.EagerTensor)
+        and tensor.dtype in _VALUE_DTYPES
+        and not _is_dtensor(tensor)
+    )
+
+
+def _replica_extended() -> Any:
+    """The tfmp strategy's extended whose replica context a function is
+    traced in, or None."""
+    if not tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
+        return extended_of(tf.distribute.get_strategy())
+    return None

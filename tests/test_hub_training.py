@@ -1,0 +1,122 @@
+"""KerasHub backbones that needed a fix to train with `layout_map="auto"`,
+and the fixes on their own: each on a 2x4 mesh against one device."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import tfmp
+from helpers import assert_parity, strategy_on
+from tfmp.lowering import indexing
+from tfmp.lowering.registry import keras_original
+from tfmp.strategy import keras_hooks
+
+X = np.random.default_rng(1).normal(size=(12, 6)).astype("float32")
+Y = np.random.default_rng(0).normal(size=(12, 4)).astype("float32")
+
+
+def test_vitdet_backbone_with_auto_layout_matches_single_device():
+    """ViTDet normalizes images with two host constants of its functional
+    graph (`x - ops.array(mean)`), which the step captures."""
+    from hub_backbones import BACKBONES, IMAGE
+
+    def build():
+        backbone = BACKBONES["ViTDetBackbone"]()
+        pooled = keras.layers.GlobalAveragePooling2D(name="pool")(backbone.output)
+        return keras.Model(backbone.input, keras.layers.Dense(4, name="classifier")(pooled))
+
+    x = np.random.default_rng(1).normal(size=(12, *IMAGE)).astype("float32")
+    # The key's third of the fused qkv bias: its gradient is 0 in theory.
+    # KerasHub leaves the qkv Dense unnamed (dense_<n>, numbered per build),
+    # so the pattern also takes in the attention's output bias.
+    assert_parity(
+        build, lambda device_mesh: "auto", x, Y, zero_gradient=r"relative_pe_\d+/dense_\d+/bias$"
+    )
+
+
+def build_with_constants():
+    """A functional model holding host tensors: the small ones become
+    constants of the step's graph, a large one a replicated copy."""
+    shift = ops.array(np.linspace(-1, 1, 6), dtype="float32")
+    table = ops.array(np.random.default_rng(2).normal(size=(6, 4)), dtype="float32")
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="relu", name="up")(inputs - shift)
+    outputs = keras.layers.Dense(4, name="down")(hidden) + ops.matmul(inputs, table)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("constant_elements", [keras_hooks._CONSTANT_ELEMENTS, 0])  # noqa: SLF001
+def test_host_tensors_a_model_holds_reach_the_step(monkeypatch, constant_elements):
+    monkeypatch.setattr(keras_hooks, "_CONSTANT_ELEMENTS", constant_elements)
+    assert_parity(build_with_constants, lambda device_mesh: "auto", X, Y)
+
+
+def test_initializer_holding_a_tensor_made_in_the_scope():
+    """In the scope a tensor is a DTensor; the initial value is computed on
+    the host (MoonshineRotaryEmbedding's inverse frequencies)."""
+    strategy = strategy_on((2, 4))
+    with strategy.scope():
+        frequencies = 1.0 / (10.0 ** (ops.arange(0, 3, dtype="float32") / 3))
+        initializer = keras.initializers.Constant(frequencies)
+        variable = keras.Variable(initializer=initializer, shape=(3,), dtype="float32")
+    np.testing.assert_allclose(variable.numpy(), 1.0 / 10.0 ** (np.arange(3) / 3), rtol=1e-6)
+    assert initializer.value is frequencies  # the user's initializer is left as it was
+
+
+class PlusEye(keras.layers.Layer):
+    """`x @ (kernel + eye)` with `ops.eye(n, m, k)`: tf.eye is a MatrixDiagV3."""
+
+    def __init__(self, units, k=0, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.k = units, k
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
+
+    def call(self, x):
+        return ops.matmul(x, self.kernel + ops.eye(x.shape[-1], self.units, k=self.k))
+
+
+@pytest.mark.parametrize("k", [0, 2, -1])
+def test_eye_lowering_matches_single_device(k):
+    def build():
+        inputs = keras.Input((6,))
+        hidden = PlusEye(8, k=k, name="plus_eye")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(4, name="head")(hidden))
+
+    def layout_map_fn(device_mesh):
+        layout_map = tfmp.LayoutMap(device_mesh)
+        layout_map["plus_eye/kernel"] = (None, "model")
+        return layout_map
+
+    assert_parity(build, layout_map_fn, X, Y)
+
+
+def test_eye_lowering_equals_keras_eye():
+    keras_eye = keras_original("keras.src.backend.tensorflow.numpy", "eye")
+    for args in [(3,), (3, 5), (5, 3, 1), (4, 4, -2), (2, 3, 2)]:
+        np.testing.assert_array_equal(indexing.eye(*args), keras_eye(*args))
+    assert indexing.eye(2, dtype="int32").dtype == "int32"
+
+
+def test_embedding_split_on_vocabulary_feeding_a_row_parallel_layer():
+    """Layout propagation asks the lookup for features split over "model"
+    (Gemma 3n); DTensor's GatherV2 refuses an output split unlike the table
+    ("input and output layout do not agree on non-axis dim 1")."""
+
+    def build():
+        tokens = keras.Input((8,), dtype="int32")
+        embedded = keras.layers.Embedding(64, 16, name="embedding")(tokens)
+        hidden = keras.layers.Dense(32, name="row")(embedded)
+        pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+        return keras.Model(tokens, keras.layers.Dense(4, name="head")(pooled))
+
+    def layout_map_fn(device_mesh):
+        layout_map = tfmp.LayoutMap(device_mesh)
+        layout_map["embedding/embeddings"] = ("model", None)
+        layout_map["row/kernel"] = ("model", None)
+        return layout_map
+
+    tokens = np.random.default_rng(0).integers(0, 64, size=(12, 8)).astype("int32")
+    assert_parity(build, layout_map_fn, tokens, Y)
