@@ -107,7 +107,10 @@ def placer_for(layer: Any) -> BatchPlacer | None:
         extended = extended_of(tf.distribute.get_strategy())
     if extended is not None:
         return extended.placer
-    for weight in layer.weights[:1]:
+    # Its own first weight, else (a model, a layer of layers) its first one:
+    # `layer.weights` collects every sublayer's.
+    own = layer._trainable_variables or layer._non_trainable_variables  # noqa: SLF001
+    for weight in (own or layer.weights)[:1]:
         variable = getattr(weight, "value", weight)
         if isinstance(variable, MeshVariable):
             return variable.placer
@@ -186,10 +189,11 @@ def eager_call(layer_call: Callable) -> Callable:
         if not tf.executing_eagerly():
             with forward_on(_forward_mesh_of(self)):
                 return layer_call(self, *args, **kwargs)
-        if getattr(_state, "inside", False) or not _has_host_array((args, kwargs)):
+        if getattr(_state, "inside", False):
             return layer_call(self, *args, **kwargs)
+        # Asked first: a layer outside any tfmp mesh answers fastest.
         placer = placer_for(self)
-        if placer is None:
+        if placer is None or not _has_host_array((args, kwargs)):
             return layer_call(self, *args, **kwargs)
         _state.inside = True
         try:
