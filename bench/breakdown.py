@@ -249,6 +249,8 @@ def run_tf(args: argparse.Namespace) -> dict:
             _add_parts(result, timed.gaps(), parts)
 
     results["_xla_spmd"] = _try_xla_spmd(devices)
+    # tfmp.simulate_devices(8) sets it to max(1, cores // 8) unless set before.
+    results["_intra_op_threads"] = tf.config.threading.get_intra_op_parallelism_threads()
     for name, (model, _, _, _, placed, strategy) in state.items():
         results[name]["profile"] = _profile_tf(model, placed[0])
         if strategy is not None and strategy.mesh.dtensor_mesh.num_local_devices() > 1:
@@ -635,7 +637,8 @@ def report(args: argparse.Namespace, results: dict) -> None:
     print(f"model: tfmp demo Transformer LM {size.model_kwargs()}, Adam, batch {size.batch}; "
           f"{args.rounds} round(s) x {args.steps} timed steps per fit, {args.warmup} warm-up")
     print(f"versions: {versions}; {NUM_DEVICES} simulated CPU devices on {os.cpu_count()} "
-          "cores; ms are medians from this run only\n")
+          f"cores (TF intra-op threads: {notes.get('_intra_op_threads', '?')}, set by "
+          "tfmp.simulate_devices); ms are medians from this run only\n")
     reference = results["keras"]["losses"]
     print("| configuration | fit step ms, plain | fit step ms, timed parts | step fn ms "
           "| jit_compile | XLA ran | max loss diff vs keras (warm-up steps) |")

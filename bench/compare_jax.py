@@ -34,6 +34,11 @@ also checks that every variable got the same layout on both sides. Keras 3's
 `LayoutMap` matches keys with `re.fullmatch`, tfmp's with `re.search`, so on
 JAX each rule `r` is given as `.*(?:r).*`, which matches the same paths.
 
+Threads: `tfmp.simulate_devices(8)` sets TensorFlow's intra-op threads to
+max(1, cores // 8) (1 on a machine of up to 15 cores) unless the program set
+them; the TF side prints the number. JAX keeps XLA's defaults (its single-
+threaded Eigen, `--xla_cpu_multi_thread_eigen=false`, was not faster here).
+
 A step's time is the gap between consecutive `on_train_batch_end` calls, after
 reading the step's loss (which waits for the step): it includes feeding the
 batch. A warm-up `fit` per process traces/compiles the step first. Both sides
@@ -168,7 +173,18 @@ def run_side(args: argparse.Namespace) -> dict:
         "variable_bytes": variable_bytes_of(model),
         "layouts": layouts_of(model),
         "fingerprint": fingerprint,
+        "intra_op_threads": _intra_op_threads(args.side),
     }
+
+
+def _intra_op_threads(side: str) -> int | None:
+    """TF's intra-op threads on the TF side (`tfmp.simulate_devices(8)` sets
+    max(1, cores // 8) unless the program set them); None on JAX."""
+    if side != "tf":
+        return None
+    import tensorflow as tf
+
+    return tf.config.threading.get_intra_op_parallelism_threads()
 
 
 class StepRecorder:
@@ -333,7 +349,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         f"round(s) x {args.warmup} warm-up + {args.steps} timed steps per side"
     )
     print(f"versions: {versions}; jit_compile: jax "
-          f"{jax_runs[0]['jit_compile']}, tf {tf_runs[0]['jit_compile']}")
+          f"{jax_runs[0]['jit_compile']}, tf {tf_runs[0]['jit_compile']}; TF intra-op "
+          f"threads: {tf_runs[0].get('intra_op_threads')} (of {os.cpu_count()} cores)")
     _check_same_start_and_layouts(jax_runs[0], tf_runs[0])
     print()
 

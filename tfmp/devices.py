@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 
 _PREFERRED_TYPES = ("TPU", "GPU", "CPU")
@@ -15,6 +17,15 @@ def simulate_devices(
     This lets every mesh shape up to `n` devices run on one machine: a laptop CPU
     or one GPU. It must be called before TensorFlow initializes its devices, that
     is before any tensor is created or any Keras model is built.
+
+    Splitting the CPU also gives each op its share of the cores: unless the
+    program set TensorFlow's intra-op threads itself
+    (`tf.config.threading.set_intra_op_parallelism_threads` or
+    `TF_NUM_INTRAOP_THREADS`), they become `max(1, cores // n)` instead of
+    TensorFlow's default of all the cores. The n devices run their ops side by
+    side, so splitting each op over every core too only adds hand-offs between
+    threads (docs/performance.md measures it; the losses stayed identical).
+    The setting holds for the whole process, ops outside the mesh too.
 
     Args:
         n: Number of logical devices to create.
@@ -67,7 +78,26 @@ def simulate_devices(
             "can no longer change). Call tfmp.simulate_devices() first in your "
             "program, before creating any tensor, model or mesh."
         ) from error
+    if device_type == "CPU":
+        _share_cores(n)
     return _logical_names(device_type)
+
+
+def _share_cores(n: int) -> None:
+    """Sets TensorFlow's intra-op threads to `max(1, cores // n)`, unless the
+    program chose a number (or TensorFlow has started: then it stays)."""
+    if os.environ.get("TF_NUM_INTRAOP_THREADS"):
+        return
+    if tf.config.threading.get_intra_op_parallelism_threads():
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // n)
+    if threads >= (cores or 1):
+        return  # TensorFlow's default: every core
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+    except RuntimeError:
+        pass  # TensorFlow has started; its threads can no longer change
 
 
 def devices_for(count: int) -> list[str]:
