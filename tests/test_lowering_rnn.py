@@ -277,3 +277,31 @@ def test_cudnn_kernels_are_declined_on_a_mesh(monkeypatch):
                 backend.lstm(*lstm_args)
             with pytest.raises(NotImplementedError):
                 backend.gru(*gru_args)
+
+
+class PythonLoopScan(keras.layers.Layer):
+    """A running sum written into a TensorArray in a Python loop (RWKV-7's
+    time mix does the same), then stacked."""
+
+    def build(self, input_shape):
+        self.mix = self.add_weight(shape=(input_shape[-1], 8), name="mix")
+
+    def call(self, x):
+        mixed = keras.ops.matmul(x, self.mix)
+        state, out = tf.zeros_like(mixed[:, 0]), tf.TensorArray("float32", size=x.shape[1])
+        for t in range(x.shape[1]):
+            state = 0.5 * state + mixed[:, t]
+            out = out.write(t, state)
+        return tf.transpose(out.stack(), [1, 0, 2])
+
+
+def test_tensor_array_filled_in_a_python_loop_matches_one_device():
+    def build():
+        inputs = keras.Input((5, 4))
+        hidden = PythonLoopScan(name="scan")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(12, 5, 4)).astype("float32"), rng.normal(size=(12, 5, 2)).astype("float32")
+    # A batch split alone: TensorList ops have no DTensor layout rule at all.
+    assert_parity(build, None, x, y)

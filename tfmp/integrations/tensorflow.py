@@ -24,4 +24,12 @@ PATCHES = (
         "holds) gets it as an input, and DTensor refuses host inputs.",
         parameters=("tensor", "name", "shape"),
     ),
+    Patch(
+        "tensorflow.python.ops.tensor_array_ops:TensorArray",
+        "__init__",
+        "tfmp.lowering.rnn:list_backed_tensor_arrays",
+        "A TensorArray filled in a Python loop (RWKV-7) runs TensorList ops, "
+        "which DTensor cannot lay out.",
+        parameters=("dtype", "size", "dynamic_size", "handle", "flow"),
+    ),
 )

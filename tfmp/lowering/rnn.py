@@ -8,19 +8,24 @@ expand; and DTensor's `Split` refuses the gate dimension of an LSTM or GRU
 whose kernel columns are split over the mesh. On a mesh, tfmp unrolls the
 recurrence over its static time steps (Keras' own `unroll=True` path: unstack,
 Python loop, stack), keeps LSTM and GRU on that generic path, reverses with a
-gather of reversed indices, and splits with slices.
+gather of reversed indices, and splits with slices. A TensorArray a layer
+fills in a Python loop is a list of tensors on a mesh.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Callable, NoReturn
 
 import tensorflow as tf
+from tensorflow.python.ops import tensor_array_ops
 from keras.src import tree
 from keras.src.backend.common.name_scope import current_path
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.tensorflow.core import convert_to_tensor
 
+from tfmp.forward import forward_mesh
 from tfmp.lowering.registry import Lowering, keras_original
 
 _BACKEND = "keras.src.backend"
@@ -190,6 +195,40 @@ def fliplr(x: Any) -> tf.Tensor:
 def flipud(x: Any) -> tf.Tensor:
     """Keras' `numpy.flipud`: reverses axis 0."""
     return flip(x, 0)
+
+
+def list_backed_tensor_arrays(init: Callable) -> Callable:
+    """`tf.TensorArray(...)` made in a forward pass on a mesh, with a static
+    size: a Python list of tensors (TensorFlow's own eager TensorArray), so
+    writes at Python indices and `stack()` are ordinary ops DTensor lays out.
+
+    A layer that fills a TensorArray in a Python loop (RWKV-7's time mix)
+    otherwise runs TensorList ops, which DTensor cannot lay out
+    ("'tf.TensorListStack' op does not implement layout propagation"). A
+    TensorArray with a size known only in the step, or made from a handle
+    or flow (a `tf.while_loop`'s), stays TensorFlow's graph TensorArray.
+    """
+
+    @functools.wraps(init)
+    def wrapper(self, dtype, size=None, dynamic_size=None, *args, **kwargs):
+        static_size = None if size is None else tf.get_static_value(size)
+        graph_array = (
+            forward_mesh() is None
+            or static_size is None
+            or dynamic_size
+            or kwargs.get("handle") is not None
+            or kwargs.get("flow") is not None
+        )
+        if graph_array:
+            return init(self, dtype, size, dynamic_size, *args, **kwargs)
+        for unused in ("handle", "flow", "tensor_array_name", "name"):
+            kwargs.pop(unused, None)
+        self._implementation = tensor_array_ops._EagerTensorArray(  # noqa: SLF001
+            dtype, size=int(static_size), *args, **kwargs
+        )
+        self._implementation.parent = weakref.ref(self)
+
+    return wrapper
 
 
 def _reversed_indices(x: tf.Tensor, axis: int) -> tf.Tensor:
