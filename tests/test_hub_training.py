@@ -120,3 +120,29 @@ def test_embedding_split_on_vocabulary_feeding_a_row_parallel_layer():
 
     tokens = np.random.default_rng(0).integers(0, 64, size=(12, 8)).astype("int32")
     assert_parity(build, layout_map_fn, tokens, Y)
+
+
+class AltUpLike(keras.layers.Layer):
+    """Gemma 3n's AltUp in small: a stack of two versions of the activations
+    (the batch its second dimension), read back by index."""
+
+    def call(self, x):
+        stack = ops.stack([x, ops.tanh(x)], axis=0)
+        return stack[0] * stack[-1] + ops.transpose(stack, (1, 2, 3, 0))[:, :, :, 1]
+
+
+def test_indexing_a_stack_split_on_its_second_dimension():
+    """DTensor's StridedSlice with a shrink_axis_mask (`stack[0]`) labels its
+    output with the input's sharding less the last dimension's, not the
+    indexed one's: the batch's split lands on the sequence, with the values
+    of other rows (then a layout oscillation and a refused Transpose in
+    Gemma 3n)."""
+
+    def build():
+        inputs = keras.Input((4, 6))
+        hidden = AltUpLike(name="altup")(keras.layers.Dense(8, name="up")(inputs))
+        pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+        return keras.Model(inputs, keras.layers.Dense(4, name="head")(pooled))
+
+    x = np.random.default_rng(1).normal(size=(12, 4, 6)).astype("float32")
+    assert_parity(build, lambda device_mesh: "auto", x, Y)

@@ -24,6 +24,14 @@
   the tensor: TensorFlow would clip it, the gather fails); a slice whose size
   tfmp cannot tell raises an error naming the layer. Slices with fixed
   bounds run as before.
+- DTensor's `StridedSlice` with a `shrink_axis_mask` (`tensor[i]`, `tensor[:, i]`)
+  drops the wrong dimension's sharding: `stack[0]` of a `(2, batch, ...)`
+  stack split over "batch" on its second dimension comes out labelled split
+  on its second dimension again, and its shards hold other rows than that
+  label says (wrong values, and layout propagation that oscillates between
+  the two labels until a `Transpose` is left with layouts it refuses: Gemma
+  3n's AltUp). On a mesh such a slice with fixed bounds keeps the indexed
+  dimensions (`i:i + 1`) and squeezes them, which DTensor lays out right.
 - RandomElasticTransform draws its displacement field with
   `tf.random.stateless_normal` directly, which DTensor draws shard by shard:
   on a mesh `image.elastic_transform` raises an error that says to apply it
@@ -380,8 +388,16 @@ def strided_slice(
 ) -> tf.Tensor:
     """TensorFlow's `strided_slice` on a mesh: a range whose bounds are
     computed in the step becomes a gather of a fixed number of indices;
-    fixed bounds run TensorFlow's own."""
+    fixed bounds run TensorFlow's own, indexed dimensions of a tensor of rank
+    2 or more as a slice and a squeeze (a variable's slice, whose result can
+    `assign`, stays TensorFlow's own)."""
     if all(bound is None or tf.get_static_value(bound) is not None for bound in (begin, end, strides)):
+        rank = tf.TensorShape(getattr(input_, "shape", None)).rank
+        if shrink_axis_mask and var is None and rank is not None and rank >= 2:
+            return _slice_then_squeeze(
+                input_, begin, end, strides, begin_mask, end_mask, ellipsis_mask,
+                new_axis_mask, shrink_axis_mask, var, name,
+            )
         return keras_original(_ARRAY_OPS, "strided_slice")(
             input_, begin, end, strides, begin_mask, end_mask, ellipsis_mask,
             new_axis_mask, shrink_axis_mask, var, name,
@@ -411,6 +427,57 @@ def strided_slice(
     rest = input_.shape.rank - len(corner)
     corner, sizes = corner + [0] * rest, sizes + [-1] * rest
     return _gathered_slice(input_, corner, sizes, squeezed)
+
+
+def _slice_then_squeeze(
+    input_: Any,
+    begin: Any,
+    end: Any,
+    strides: Any,
+    begin_mask: int,
+    end_mask: int,
+    ellipsis_mask: int,
+    new_axis_mask: int,
+    shrink_axis_mask: int,
+    var: Any,
+    name: Any,
+) -> tf.Tensor:
+    """`input_[..., i, ...]` with fixed bounds on a mesh: the slice keeps
+    each indexed dimension (`i:i + 1`) and a squeeze drops it. DTensor's own
+    `StridedSlice` with a `shrink_axis_mask` drops the wrong dimension's
+    sharding: `stack[0]` of a `(2, batch, seq, features)` stack split on its
+    second dimension comes out labelled split on its second dimension again
+    (the sequence), and its shards hold other rows than that label says."""
+    input_ = tf.convert_to_tensor(input_)
+    starts = [int(value) for value in np.reshape(tf.get_static_value(begin), [-1])]
+    stops = [int(value) for value in np.reshape(tf.get_static_value(end), [-1])]
+    rank, entries = input_.shape.rank, len(starts)
+    new_axes = sum(1 for entry in range(entries) if new_axis_mask & (1 << entry))
+    squeezed, output_dim = [], 0
+    for entry in range(entries):
+        bit = 1 << entry
+        if ellipsis_mask & bit:
+            output_dim += rank - (entries - 1 - new_axes)
+        elif new_axis_mask & bit:
+            output_dim += 1
+        elif shrink_axis_mask & bit:
+            # The index alone: `-1` reads to the end, others up to the next.
+            stops[entry] = starts[entry] + 1
+            if starts[entry] == -1:
+                end_mask |= bit
+            begin_mask &= ~bit
+            squeezed.append(output_dim)
+            output_dim += 1
+        else:
+            output_dim += 1
+    if strides is not None:
+        step = [int(value) for value in np.reshape(tf.get_static_value(strides), [-1])]
+        strides = [1 if shrink_axis_mask & (1 << entry) else value for entry, value in enumerate(step)]
+    sliced = keras_original(_ARRAY_OPS, "strided_slice")(
+        input_, starts, stops, strides, begin_mask, end_mask, ellipsis_mask,
+        new_axis_mask, 0, var, name,
+    )
+    return tf.squeeze(sliced, squeezed)
 
 
 def _gathered_slice(
@@ -515,6 +582,7 @@ LOWERINGS = (
         _ARRAY_OPS,
         "strided_slice",
         f"{__name__}:strided_slice",
-        "DTensor sizes a StridedSlice with bounds computed in the step wrongly (empty shards)",
+        "DTensor sizes a StridedSlice with bounds computed in the step wrongly (empty shards),"
+        " and drops the wrong dimension's sharding where it shrinks one",
     ),
 )
