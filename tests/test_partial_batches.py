@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import assert_parity, build_mlp, build_on, compile_mlp, initial_weights, mlp_data, mlp_layout_map, strategy_on
+from helpers import (
+    assert_parity, build_mlp, build_on, compile_mlp, initial_weights, mlp_data, mlp_layout_map, rules,
+    strategy_on,
+)
 
 WEIGHTS = initial_weights(build_mlp)
 
@@ -88,3 +91,21 @@ def test_the_next_batch_is_on_the_mesh_before_it_is_asked_for():
     assert [int(dtensor.unpack(next(iterator))[0][0]) for _ in range(2)] == [8, 16]
     with pytest.raises(StopIteration):
         next(iterator)
+
+
+def test_partial_last_batch_through_a_filter_split_conv_and_global_pooling():
+    """The last batch retraces the step with a batch size known only in the
+    step; the mean's gradient must keep its layout then too (it broadcast a
+    channel-split gradient over zeros of the global shape)."""
+    import keras
+
+    def build():
+        inputs = keras.Input((6, 6, 3))
+        hidden = keras.layers.Conv2D(16, 1, name="conv")(inputs)
+        pooled = keras.layers.GlobalAveragePooling2D()(hidden)
+        return keras.Model(inputs, keras.layers.Dense(4, name="head")(pooled))
+
+    layouts = {"conv/kernel": (None, None, None, "model"), "conv/bias": ("model",), "head/kernel": ("model", None)}
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(10, 6, 6, 3)).astype("float32"), rng.normal(size=(10, 4)).astype("float32")
+    assert_parity(build, rules(layouts), x, y, steps=3, batch_size=4)

@@ -6,7 +6,8 @@ kept dimensions are split over a mesh axis: a conv split over its filters,
 then `GlobalAveragePooling2D`, fails to train ("'tf.Tile' op requires
 input.shape[3] (8) * 1 to be equal to output.shape[3] (2)"). Here the
 gradient is the output's gradient divided by the count, broadcast by an
-elementwise add: the same values, in ops DTensor lays out any way.
+elementwise product with ones over the reduced dimensions: the same values,
+in ops DTensor lays out any way.
 """
 
 from __future__ import annotations
@@ -43,12 +44,25 @@ def mean(x: Any, axis: Any = None, keepdims: bool = False) -> Any:
                     dy = tf.expand_dims(dy, a)
             # Keras averages low precision in float32: so is the gradient.
             dtype = tf.float64 if x.dtype == tf.float64 else tf.float32
-            share = tf.cast(dy, dtype) / _count(x, reduced, dtype)
-            return tf.zeros_like(x) + tf.cast(share, x.dtype)
+            share = tf.cast(tf.cast(dy, dtype) / _count(x, reduced, dtype), x.dtype)
+            return share * _ones_over(x, reduced)
 
         return original(x, axis, keepdims), grad
 
     return averaged(x)
+
+
+def _ones_over(x: tf.Tensor, reduced: list[int]) -> tf.Tensor:
+    """Ones that broadcast the mean's gradient over the reduced dimensions:
+    a constant, 1 on the kept dimensions, where their sizes are known (the
+    gradient keeps the layout of the output's, even with a batch size known
+    only in the step, where `zeros_like(x)` fills the global shape under
+    `x`'s split labels: "Incompatible shapes: [2,1,1,4] vs. [2,8,8,16]");
+    else ones like `x`."""
+    sizes = [x.shape[a] if a in reduced else 1 for a in range(x.shape.rank)]
+    if all(size is not None for size in sizes):
+        return tf.ones(sizes, x.dtype)
+    return tf.ones_like(x)
 
 
 def _count(x: tf.Tensor, reduced: list[int], dtype: tf.DType) -> tf.Tensor:
