@@ -79,15 +79,6 @@ PATCHES = (
     ),
     Patch(
         "keras.src.backend.tensorflow.core:Variable",
-        "_initialize_with_initializer",
-        f"{_HOOKS}:host_initializer",
-        "tfmp computes initial values on the host; an initializer holding a "
-        "tensor made in the strategy's scope holds a DTensor, which DTensor "
-        "refuses to mix with host values.",
-        parameters=("initializer",),
-    ),
-    Patch(
-        "keras.src.backend.tensorflow.core:Variable",
         "_value",
         "tfmp.strategy.extended:ModelParallelExtended",
         "A variable moves to a pipeline stage's mesh, or to the layout "

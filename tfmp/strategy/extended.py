@@ -222,9 +222,6 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _get_local_replica_id(self, replica_id_in_sync_group):
         return replica_id_in_sync_group
 
-    def _default_device_scope(self):
-        return dtensor.default_mesh(self.home_mesh.dtensor_mesh)
-
     def _use_merge_call(self) -> bool:
         return False
 

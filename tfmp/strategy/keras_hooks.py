@@ -12,16 +12,14 @@ batches they feed train it (a pipeline checks that a training batch splits
 into its micro-batches). Anything else passes through untouched. A pipeline
 model's `train_step` and `test_step` are the pipeline's
 (`tfmp.pipeline.keras_hooks`). Which Keras attribute each wrapper replaces
-is declared in `tfmp.integrations.keras`. Two more meet TensorFlow and Keras
-variables: a host tensor a step captures (a constant the model holds) reaches
-the mesh (`mesh_captures`), and an initializer holding a tensor made in the
-scope computes on the host (`host_initializer`).
+is declared in `tfmp.integrations.keras`. One more meets TensorFlow: a host tensor
+a step captures (a constant the model holds) reaches the mesh
+(`mesh_captures`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import os
@@ -39,7 +37,7 @@ from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy import errors
 from tfmp.strategy.extended import extended_of
-from tfmp.strategy.placement import BatchPlacer, replicate, to_host
+from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
 from tfmp.strategy.variable_layout import creating
@@ -65,28 +63,6 @@ def announced(initialize: Callable) -> Callable:
     def wrapper(self, value):
         with creating(self):
             return initialize(self, value)
-
-    return wrapper
-
-
-def host_initializer(initialize_with_initializer: Callable) -> Callable:
-    """tfmp computes a new variable's initial value on the host, then sends
-    each device its shard. An initializer that holds a tensor made in the
-    strategy's scope holds a DTensor (in the scope, ops run on the mesh):
-    MoonshineRotaryEmbedding's `Constant(1 / base ** (ops.arange(...) / n))`
-    multiplied it with host ones ("The op/function Mul got a regular tensor
-    for input 1 (shape [1]) but was expecting a DTensor"). Such values are
-    brought to the host, in a copy of the initializer."""
-
-    @functools.wraps(initialize_with_initializer)
-    def wrapper(self, initializer):
-        held = getattr(initializer, "__dict__", {})
-        on_mesh = {name: value for name, value in held.items() if _is_dtensor(value)}
-        if on_mesh:
-            initializer = copy.copy(initializer)
-            for name, value in on_mesh.items():
-                setattr(initializer, name, to_host(value))
-        return initialize_with_initializer(self, initializer)
 
     return wrapper
 
@@ -173,14 +149,17 @@ def chief_writes(save: Callable) -> Callable:
 
 
 def _has_host_array(structure: Any) -> bool:
-    for value in tf.nest.flatten(structure):
-        if isinstance(value, keras.KerasTensor):
-            return False
-        if isinstance(value, tf.Tensor) and not dtensor.is_dtensor(value):
-            return True
-        if hasattr(value, "__array__") and not isinstance(value, tf.Tensor):
-            return True
-    return False
+    """Whether an eager call gets host values to place on the mesh: never
+    when a symbolic Keras tensor is among them (a functional model being
+    built, with a host constant beside it)."""
+    values = tf.nest.flatten(structure)
+    if any(isinstance(value, keras.KerasTensor) for value in values):
+        return False
+    return any(
+        (isinstance(value, tf.Tensor) and not dtensor.is_dtensor(value))
+        or (hasattr(value, "__array__") and not isinstance(value, tf.Tensor))
+        for value in values
+    )
 
 
 def eager_call(layer_call: Callable) -> Callable:
@@ -193,7 +172,9 @@ def eager_call(layer_call: Callable) -> Callable:
             return layer_call(self, *args, **kwargs)
         # Asked first: a layer outside any tfmp mesh answers fastest.
         placer = placer_for(self)
-        if placer is None or not _has_host_array((args, kwargs)):
+        # A layer without weights has nothing on the mesh: it runs as in
+        # Keras, eagerly (Python control flow on its inputs' values works).
+        if placer is None or not _has_host_array((args, kwargs)) or not self.weights:
             return layer_call(self, *args, **kwargs)
         _state.inside = True
         try:
