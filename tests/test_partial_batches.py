@@ -2,6 +2,7 @@
 
 import warnings
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -97,7 +98,6 @@ def test_partial_last_batch_through_a_filter_split_conv_and_global_pooling():
     """The last batch retraces the step with a batch size known only in the
     step; the mean's gradient must keep its layout then too (it broadcast a
     channel-split gradient over zeros of the global shape)."""
-    import keras
 
     def build():
         inputs = keras.Input((6, 6, 3))
@@ -109,3 +109,30 @@ def test_partial_last_batch_through_a_filter_split_conv_and_global_pooling():
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(10, 6, 6, 3)).astype("float32"), rng.normal(size=(10, 4)).astype("float32")
     assert_parity(build, rules(layouts), x, y, steps=3, batch_size=4)
+
+
+class ClippedExperts(keras.layers.Layer):
+    """GPT-OSS's experts in small: a bank split over experts, its gate and
+    up halves clipped, summed over experts."""
+
+    def build(self, input_shape):
+        self.bank = self.add_weight(shape=(4, input_shape[-1], 8), name="bank")
+
+    def call(self, x):
+        hidden = keras.ops.einsum("th,ehm->etm", x, self.bank)
+        gate = keras.ops.clip(hidden[..., ::2], -1e9, 0.5)
+        up = keras.ops.clip(hidden[..., 1::2], -0.5, 0.5)
+        return keras.ops.sum((up + 1) * gate, axis=0)
+
+
+def test_partial_last_batch_through_clipped_activations_split_over_experts():
+    """clip_by_value's gradient filled zeros of a shape read in the step: with
+    the batch size unknown there, the global shape under the experts' split."""
+
+    def build():
+        inputs = keras.Input((6,))
+        return keras.Model(inputs, keras.layers.Dense(4, name="head")(ClippedExperts(name="experts")(inputs)))
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(10, 6)).astype("float32"), rng.normal(size=(10, 4)).astype("float32")
+    assert_parity(build, rules({"experts/bank": ("model", None, None)}), x, y, steps=3, batch_size=4)

@@ -52,6 +52,7 @@ _FAMILIES = (
     "tfmp.lowering.image",
     "tfmp.lowering.pooling",
     "tfmp.lowering.reduction",
+    "tfmp.lowering.elementwise",
 )
 
 
