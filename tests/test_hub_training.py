@@ -53,8 +53,9 @@ def test_host_tensors_a_model_holds_reach_the_step(monkeypatch, constant_element
 
 
 def test_initializer_holding_a_tensor_made_in_the_scope():
-    """In the scope a tensor is a DTensor; the initial value is computed on
-    the host (MoonshineRotaryEmbedding's inverse frequencies)."""
+    """A tensor made eagerly in the scope is a host tensor, like any other
+    value an initializer holds (MoonshineRotaryEmbedding's inverse
+    frequencies; a scope that made it a DTensor broke the initial value)."""
     strategy = strategy_on((2, 4))
     with strategy.scope():
         frequencies = 1.0 / (10.0 ** (ops.arange(0, 3, dtype="float32") / 3))
@@ -146,3 +147,39 @@ def test_indexing_a_stack_split_on_its_second_dimension():
 
     x = np.random.default_rng(1).normal(size=(12, 4, 6)).astype("float32")
     assert_parity(build, lambda device_mesh: "auto", x, Y)
+
+
+class RelativeBiasLike(keras.layers.Layer):
+    """T5's relative position bias in small: a (buckets, heads) table read
+    whole, looked up by a (query, key) grid of buckets, added to scores
+    split over heads."""
+
+    def build(self, input_shape):
+        self.bias = self.add_weight((8, 4), name="bias")
+
+    def call(self, x):
+        positions = ops.arange(6)
+        buckets = ops.abs(positions[None, :] - positions[:, None]) % 8
+        bias = ops.transpose(ops.take(self.bias, buckets, axis=0), (2, 0, 1))  # (4, 6, 6)
+        return ops.einsum("bhq,hqk->bhk", x, bias + 1.0)
+
+
+def test_lookup_into_a_weight_read_whole_by_heads_split_scores():
+    """A lookup into a replicated or `gather_on_use` table gives its output
+    the table's unsplit feature dimension; a consumer split over heads made
+    DTensor refuse the GatherV2 ("input and output layout do not agree on
+    non-axis dim 1", T5)."""
+
+    def build():
+        inputs = keras.Input((6,))
+        heads = keras.layers.Reshape((4, 6))(keras.layers.Dense(24, name="heads")(inputs))
+        hidden = RelativeBiasLike(name="rel")(heads)
+        return keras.Model(inputs, keras.layers.Dense(4, name="head")(keras.layers.Flatten()(hidden)))
+
+    def layout_map_fn(device_mesh):
+        layout_map = tfmp.LayoutMap(device_mesh)
+        layout_map["heads/kernel"] = (None, "model")
+        layout_map["rel/bias"] = tfmp.gather_on_use(("model", None))
+        return layout_map
+
+    assert_parity(build, layout_map_fn, X, Y)

@@ -82,6 +82,8 @@ def take(x: Any, indices: Any, axis: Any = None):
     ):
         return original(x, indices, axis)
     axis %= len(specs)
+    if all(spec == dtensor.UNSHARDED for spec in specs) and _stored_split_on(x, axis):
+        return _replicated_take(original(x, indices, axis), axis, len(specs))
     if specs[axis] == dtensor.UNSHARDED or any(
         spec != dtensor.UNSHARDED for i, spec in enumerate(specs) if i != axis
     ):
@@ -90,6 +92,38 @@ def take(x: Any, indices: Any, axis: Any = None):
     if not taken.shape.rank:
         return taken
     output = [dtensor.MATCH] + [dtensor.UNSHARDED] * (taken.shape.rank - 1)
+    return dtensor.relayout(taken, dtensor.Layout(output, forward_mesh()))
+
+
+def _stored_split_on(x: Any, axis: int) -> bool:
+    """Whether a weight is stored split on dimension `axis` (a
+    `gather_on_use` table, read whole)."""
+    layout = getattr(getattr(x, "_value", None), "layout", None)
+    return layout is not None and layout.sharding_specs[axis] != dtensor.UNSHARDED
+
+
+def _replicated_take(taken: tf.Tensor, axis: int, table_rank: int) -> tf.Tensor:
+    """A lookup into a `gather_on_use` weight stored split on the looked-up
+    dimension and read whole (tried on plain replicated tables, the relayout
+    broke ViTDet's relative positions: "output layout of Relayout op after
+    layout propagation does not match layout specified by Relayout op"):
+    the dimensions the table's other dimensions give stay whole, as the
+    gather makes them, and so do those of the indices but the first. Without
+    the relayout, a consumer that wants them split (T5's relative position
+    bias, (buckets, heads), read by attention split over heads) fails with
+    "input and output layout do not agree on non-axis dim 1"."""
+    rank = taken.shape.rank
+    if rank is None:
+        return taken
+    looked_up = rank - (table_rank - 1)
+    if looked_up < 1:
+        return taken
+    # DTensor allows one MATCH: the first looked-up dimension (the batch's).
+    output = (
+        [dtensor.UNSHARDED] * axis
+        + [dtensor.MATCH]
+        + [dtensor.UNSHARDED] * (rank - axis - 1)
+    )
     return dtensor.relayout(taken, dtensor.Layout(output, forward_mesh()))
 
 

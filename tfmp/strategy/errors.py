@@ -58,6 +58,14 @@ def explain(error: tf.errors.OpError, model: Any) -> ValueError:
 
 
 def _fix(cause: str) -> str:
+    if "CollectiveAllToAllV2" in cause and "xi1>" in cause:
+        return (
+            "Fix: DTensor moves a boolean tensor (a mask) from one split dimension "
+            "to another with an all-to-all, which takes no booleans; another layout "
+            "map may not help (XLNet fails so with the batch split alone). Keep the "
+            "mask as integers or floats until the op that uses it, or leave the "
+            "model on one device."
+        )
     if "layout propagation" in cause:
         return (
             "Fix: DTensor has no rule for this op. If the layer calls TensorFlow "
