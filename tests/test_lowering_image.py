@@ -226,3 +226,27 @@ def test_augmentation_layers_train_as_one_device_8x1():
     x = rng.uniform(size=(24, 6, 6, 3)).astype("float32")
     y = rng.normal(size=(24, 4)).astype("float32")
     assert_parity(build_augmented, rules({}), x, y, mesh_shape=(8, 1))
+
+
+class PairGrid(keras.layers.Layer):
+    """XLNet's segment matrix in small: `ids[:, None]` against `ids[:, :, None]`."""
+
+    def call(self, x):
+        ids = keras.ops.cast(x[:, :, 0] > 0, "float32")
+        grid = ids[:, None] - ids[:, :, None]
+        return x * keras.ops.sum(grid, axis=1)[:, :, None]
+
+
+def test_new_axis_before_unnamed_dimensions():
+    """DTensor's StridedSlice rule reads a garbage sharding spec for the
+    dimensions `x[:, None]` leaves unnamed (a crash, or an error Python cannot
+    decode): tfmp names them."""
+
+    def build():
+        inputs = keras.Input((6, 4))
+        hidden = PairGrid(name="grid")(keras.layers.Dense(4, name="in")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden))
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(12, 6, 4)).astype("float32"), rng.normal(size=(12, 6, 2)).astype("float32")
+    assert_parity(build, None, x, y)

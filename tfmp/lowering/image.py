@@ -393,6 +393,10 @@ def strided_slice(
     `assign`, stays TensorFlow's own)."""
     if all(bound is None or tf.get_static_value(bound) is not None for bound in (begin, end, strides)):
         rank = tf.TensorShape(getattr(input_, "shape", None)).rank
+        if new_axis_mask and not ellipsis_mask and var is None and rank is not None:
+            begin, end, strides, begin_mask, end_mask = _every_dimension_named(
+                begin, end, strides, begin_mask, end_mask, new_axis_mask, rank
+            )
         if shrink_axis_mask and var is None and rank is not None and rank >= 2:
             return _slice_then_squeeze(
                 input_, begin, end, strides, begin_mask, end_mask, ellipsis_mask,
@@ -427,6 +431,23 @@ def strided_slice(
     rest = input_.shape.rank - len(corner)
     corner, sizes = corner + [0] * rest, sizes + [-1] * rest
     return _gathered_slice(input_, corner, sizes, squeezed)
+
+
+def _every_dimension_named(
+    begin: Any, end: Any, strides: Any, begin_mask: int, end_mask: int, new_axis_mask: int, rank: int
+) -> tuple[Any, Any, Any, int, int]:
+    """Fixed slice entries with a new axis (`x[:, None]`) extended by a whole
+    range for each input dimension they leave unnamed. DTensor's StridedSlice
+    layout rule reads a sharding spec past the named entries for those
+    (garbage text in its error, which Python cannot decode, or a crash);
+    `x[:, None, :]` is the same slice, laid out right."""
+    starts, stops = (list(np.reshape(tf.get_static_value(v), [-1])) for v in (begin, end))
+    steps = [1] * len(starts) if strides is None else list(np.reshape(tf.get_static_value(strides), [-1]))
+    named = len(starts) - bin(new_axis_mask & ((1 << len(starts)) - 1)).count("1")
+    for entry in range(len(starts), len(starts) + max(rank - named, 0)):
+        starts, stops, steps = starts + [0], stops + [0], steps + [1]
+        begin_mask, end_mask = begin_mask | (1 << entry), end_mask | (1 << entry)
+    return starts, stops, steps, begin_mask, end_mask
 
 
 def _slice_then_squeeze(
