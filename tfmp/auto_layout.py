@@ -151,9 +151,10 @@ def auto_layout(
             "Give it a keras.Input or call model.build(input_shape) first."
         )
     plan = plan_layers(visits(model), axis, mesh.axis_size(axis))
-    _drop_rules_of_shared_paths(plan, model.weights)
+    shapes = _shapes_by_path(model.weights)
+    _drop_rules_of_shared_paths(plan, shapes)
     if storage_split:
-        _split_storage(plan, model.weights)
+        _split_storage(plan, model.weights, shapes)
     layout_map = LayoutMap(mesh)
     for path, axes in plan.rules.items():
         # Anchored: "proj/kernel" must not also match "out_proj/kernel".
@@ -172,12 +173,11 @@ def auto_layout(
     return layout_map
 
 
-def _drop_rules_of_shared_paths(plan: _Plan, weights: Iterable[Any]) -> None:
+def _drop_rules_of_shared_paths(plan: _Plan, shapes: dict[str, set[tuple[int, ...]]]) -> None:
     """A rule names a path, and it lays out every variable with that path.
     Two sub-models may give variables the same path (CLIP's vision and text
     towers both have `encoder_block_0/...`): their rule stays only if it
     fits every shape they have."""
-    shapes = _shapes_by_path(weights)
     for path, axes in list(plan.rules.items()):
         misfits = sorted(shape for shape in shapes[path] if not _fits(axes, shape, plan.size))
         if misfits:
@@ -188,12 +188,12 @@ def _drop_rules_of_shared_paths(plan: _Plan, weights: Iterable[Any]) -> None:
             )
 
 
-def _split_storage(plan: _Plan, weights: Iterable[Any]) -> None:
+def _split_storage(
+    plan: _Plan, weights: Iterable[Any], shapes: dict[str, set[tuple[int, ...]]]
+) -> None:
     """Gives each floating-point weight of rank 2 or more that has no rule a
     `gather_on_use` layout over the plan's axis, on its largest dimension
-    that divides (in every variable sharing its path)."""
-    weights = list(weights)
-    shapes = _shapes_by_path(weights)
+    that divides (in every variable sharing its path, `shapes`)."""
     for variable in weights:
         path, rank = variable.path, len(variable.shape)
         if path in plan.rules or rank < 2 or not str(variable.dtype).startswith(("float", "bfloat")):

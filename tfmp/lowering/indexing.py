@@ -15,10 +15,13 @@ elementwise ops.
   table on the table's other dimensions, and layout propagation may ask
   otherwise: an embedding split on the vocabulary, read by a layer that
   wants its features split over "model" (Gemma 3n), fails with "input and
-  output layout do not agree on non-axis dim 1". A lookup into a weight
-  read split on the looked-up dimension only relayouts its output: the
-  first dimension (the batch's) stays as it is, the others whole, as the
-  gather makes them.
+  output layout do not agree on non-axis dim 1"; so does T5's relative
+  position table, stored split on its buckets and gathered on use, read by
+  attention split over heads. A lookup into a weight stored split on the
+  looked-up dimension only relayouts its output: the indices' first
+  dimension (the batch's) stays as it is, the others whole, as the gather
+  makes them. (On plain replicated tables the relayout broke ViTDet's
+  relative positions, so they keep TensorFlow's own gather.)
 - `tf.eye` is a `MatrixDiagV3`, which DTensor has no layout rule for
   ("'tf.MatrixDiagV3' op does not implement layout propagation"; Qwen 3.5's
   gated delta net adds `ops.eye(chunk_size)`). `rows + k == columns` is the
@@ -69,72 +72,36 @@ def top_k(x: Any, k: int, sorted: bool = True):  # noqa: A002 (Keras' argument n
 
 
 def take(x: Any, indices: Any, axis: Any = None):
-    """`keras.ops.take` on a mesh: rows of a weight split on the looked-up
-    dimension only (an embedding split on its vocabulary) come out with
-    only their first dimension split."""
+    """`keras.ops.take` on a mesh: a lookup into a weight stored split on the
+    looked-up dimension only (an embedding split on its vocabulary, read so
+    or gathered on use) comes out split as its indices are, on their first
+    dimension, and whole on the others."""
     original = keras_original(_KERAS_NUMPY, "take")
-    specs = _compute_specs(x)
     if (
         forward_mesh() is None
         or axis is None
-        or specs is None
+        or not isinstance(x, keras.Variable)
         or isinstance(indices, (tf.SparseTensor, tf.RaggedTensor))
     ):
         return original(x, indices, axis)
-    axis %= len(specs)
-    if all(spec == dtensor.UNSHARDED for spec in specs) and _stored_split_on(x, axis):
-        return _replicated_take(original(x, indices, axis), axis, len(specs))
-    if specs[axis] == dtensor.UNSHARDED or any(
-        spec != dtensor.UNSHARDED for i, spec in enumerate(specs) if i != axis
-    ):
+    variable = getattr(x, "_value", None)
+    stored = getattr(variable, "layout", None)
+    read = getattr(variable, "compute_layout", None)
+    if stored is None or read is None:
         return original(x, indices, axis)
-    taken = original(x, indices, axis)
-    if not taken.shape.rank:
-        return taken
-    output = [dtensor.MATCH] + [dtensor.UNSHARDED] * (taken.shape.rank - 1)
-    return dtensor.relayout(taken, dtensor.Layout(output, forward_mesh()))
-
-
-def _stored_split_on(x: Any, axis: int) -> bool:
-    """Whether a weight is stored split on dimension `axis` (a
-    `gather_on_use` table, read whole)."""
-    layout = getattr(getattr(x, "_value", None), "layout", None)
-    return layout is not None and layout.sharding_specs[axis] != dtensor.UNSHARDED
-
-
-def _replicated_take(taken: tf.Tensor, axis: int, table_rank: int) -> tf.Tensor:
-    """A lookup into a `gather_on_use` weight stored split on the looked-up
-    dimension and read whole (tried on plain replicated tables, the relayout
-    broke ViTDet's relative positions: "output layout of Relayout op after
-    layout propagation does not match layout specified by Relayout op"):
-    the dimensions the table's other dimensions give stay whole, as the
-    gather makes them, and so do those of the indices but the first. Without
-    the relayout, a consumer that wants them split (T5's relative position
-    bias, (buckets, heads), read by attention split over heads) fails with
-    "input and output layout do not agree on non-axis dim 1"."""
-    rank = taken.shape.rank
-    if rank is None:
-        return taken
-    looked_up = rank - (table_rank - 1)
-    if looked_up < 1:
-        return taken
-    # DTensor allows one MATCH: the first looked-up dimension (the batch's).
-    output = (
-        [dtensor.UNSHARDED] * axis
-        + [dtensor.MATCH]
-        + [dtensor.UNSHARDED] * (rank - axis - 1)
+    axis %= len(stored.sharding_specs)
+    split_elsewhere = any(
+        spec != dtensor.UNSHARDED for dim, spec in enumerate(read.sharding_specs) if dim != axis
     )
+    taken = original(x, indices, axis)
+    if stored.sharding_specs[axis] == dtensor.UNSHARDED or split_elsewhere or not taken.shape.rank:
+        return taken
+    if taken.shape.rank < len(stored.sharding_specs):
+        return taken  # a scalar index: no dimension of the indices to keep
+    # DTensor allows one MATCH: the indices' first dimension (the batch's).
+    output = [dtensor.UNSHARDED] * taken.shape.rank
+    output[axis] = dtensor.MATCH
     return dtensor.relayout(taken, dtensor.Layout(output, forward_mesh()))
-
-
-def _compute_specs(x: Any) -> list[str] | None:
-    """The sharding specs a weight is read with in a forward pass on a mesh
-    (its storage layout, less the axes gathered on use), or None (not a
-    variable on a tfmp mesh)."""
-    if not isinstance(x, keras.Variable):
-        return None
-    layout = getattr(getattr(x, "_value", None), "compute_layout", None)
-    return None if layout is None else list(layout.sharding_specs)
 
 
 def eye(N: Any, M: Any = None, k: Any = 0, dtype: Any = None):  # noqa: N803 (Keras' names)
