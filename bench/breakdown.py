@@ -18,9 +18,10 @@ instrumented `fit`, whose train function is wrapped to time, in the same
 steps:
 
 - input: `next()` on fit's iterator, i.e. what the step waits for its batch
-  (tfmp: the host read and `BatchPlacer.place_batch`, or only the wait for it
-  when tfmp's iterator places batches ahead in a thread; JAX: the numpy batch
-  and Keras' `_distribute_data`). The packing itself is timed on its own;
+  (tfmp: the wait for the batch, which its iterator cuts into device shards
+  one step ahead in a thread, and the pack of those shards onto the mesh; JAX:
+  the numpy batch and Keras' `_distribute_data`). The placing itself is timed
+  on its own (tfmp: the cut);
 - step fn, Python + dispatch: Keras' train function until it returns. tfmp
   (DTensor) and JAX dispatch asynchronously; plain Keras on TF returns when the
   step ends, so there the split comes from a TF profiler trace
@@ -179,6 +180,7 @@ def run_tf(args: argparse.Namespace) -> dict:
     import tensorflow as tf
 
     from tfmp.demo import build_transformer_lm, megatron_layout_map
+    from tfmp.strategy.placement import pack
 
     size = args.size
     (xw, yw), (xt, yt) = _data(args)
@@ -228,7 +230,7 @@ def run_tf(args: argparse.Namespace) -> dict:
         with tf.device("CPU:0"):
             host_batches = list(dataset)
         placer = strategy.extended.placer if strategy else None
-        placed = [placer.place_batch(b, is_last_batch=False) for b in host_batches] \
+        placed = [pack(placer.split_batch(b, is_last_batch=False)) for b in host_batches] \
             if placer else host_batches
         state[config.name] = (model, dataset, host_batches, placer, placed, strategy)
 
@@ -288,8 +290,8 @@ def _instrumented_tf(model, placer):
     """Times the parts of every step of the `fit`s in the block.
 
     The model's train function is replaced by one that takes the batch from
-    fit's iterator itself (`next`: the host read, and for tfmp the packing onto
-    the mesh, timed on its own), calls Keras' train function on it (`call`:
+    fit's iterator itself (`next`: the host read, and for tfmp the pack onto
+    the mesh; the cut into shards before it is timed on its own), calls Keras' train function on it (`call`:
     until it returns) and waits for the loss on every device (`step`: from the
     call to the loss). Plain Keras then reads its batch eagerly rather than
     inside its step graph.
@@ -299,15 +301,15 @@ def _instrumented_tf(model, placer):
     parts: dict = {"next": [], "pack": [], "call": [], "step": []}
     original = model.train_function
     if placer is not None:
-        place_batch = placer.place_batch
+        split_batch = placer.split_batch
 
-        def timed_place_batch(*args, **kwargs):
+        def timed_split_batch(*args, **kwargs):
             start = time.perf_counter()
-            placed = place_batch(*args, **kwargs)
+            shards = split_batch(*args, **kwargs)
             parts["pack"].append(time.perf_counter() - start)
-            return placed
+            return shards
 
-        placer.place_batch = timed_place_batch
+        placer.split_batch = timed_split_batch
 
     def train_function(iterator):
         start = time.perf_counter()
@@ -330,7 +332,7 @@ def _instrumented_tf(model, placer):
     finally:
         model.train_function = original
         if placer is not None:
-            del placer.place_batch
+            del placer.split_batch
 
 
 class _null:
@@ -600,7 +602,7 @@ def breakdown_rows(name: str, results: dict) -> list[tuple[str, float]]:
     step = _median_ms(result["step"])
     rows = [("input: next() on fit's iterator (the wait for the batch)", _median_ms(result["next"]))]
     if result["pack"]:
-        rows.append(("- pack onto the mesh, per batch (inside next() or in tfmp's prefetch thread)",
+        rows.append(("- place on the mesh, per batch (JAX: inside next(); tfmp: the shards' cut, in its prefetch thread)",
                      _median_ms(result["pack"])))
         # Asynchronous dispatch: the call returns before the step ends.
         rows.append(("step fn: Python + dispatch (until the call returns)",
@@ -695,7 +697,7 @@ def report(args: argparse.Namespace, results: dict) -> None:
         fit = rows["fit step"]
         for part, label in (
             ("input: next() on fit's iterator (the wait for the batch)", "input wait"),
-            ("- pack onto the mesh, per batch (inside next() or in tfmp's prefetch thread)",
+            ("- place on the mesh, per batch (JAX: inside next(); tfmp: the shards' cut, in its prefetch thread)",
              "pack per batch"),
             ("step fn: Python + dispatch (until the call returns)", "Python + dispatch"),
             ("step fn: execution (compute, collectives, executor)", "execution"),

@@ -67,31 +67,46 @@ def test_dataset_of_unknown_length(strategy):
     assert got.predict(unknown, verbose=0).shape == (50, 8)
 
 
-def test_the_next_batch_is_on_the_mesh_before_it_is_asked_for():
-    """While a step runs, the following batch is read and placed: by the time
-    Keras asks for batch k+1 it is on the mesh, laid out as the last batch
-    only if it is the last."""
+def test_the_next_batch_is_cut_before_it_is_asked_for_and_packed_by_the_caller(monkeypatch):
+    """While a step runs, the following batch is read and cut into its
+    devices' shards, laid out as the last batch only if it is the last. Only
+    the caller's thread packs shards onto the mesh: DTensor's device is not
+    safe to use from two threads at once (a worker thread packing while
+    steps ran crashed the process now and then)."""
+    import threading
+
     from tensorflow.experimental import dtensor
 
-    reads = []
+    from tfmp.strategy.placement import HostShards
+
+    reads, packing_threads = [], set()
 
     def record(x):
         reads.append(int(x[0]))
         return x
 
+    pack = HostShards.pack
+
+    def recorded_pack(shards):
+        packing_threads.add(threading.current_thread())
+        return pack(shards)
+
+    monkeypatch.setattr(HostShards, "pack", recorded_pack)
     dataset = tf.data.Dataset.range(24).batch(8).map(
         lambda x: tf.py_function(record, [x], tf.int64)
     )
     iterator = iter(strategy_on((8, 1)).experimental_distribute_dataset(dataset))
     first = next(iterator)
-    iterator._ahead.result()  # noqa: SLF001 (the worker's placement in flight)
-    # Batch 0 was handed over; batch 1 is placed and batch 2 read to know
+    shards, _ = iterator._ahead.result()  # noqa: SLF001 (the worker's cut in flight)
+    # Batch 0 was handed over; batch 1 is cut and batch 2 read to know
     # that batch 1 is not the last.
     assert reads == [0, 8, 16]
+    assert [int(shard[0]) for shard in shards.shards] == list(range(8, 16))
     assert dtensor.fetch_layout(first).sharding_specs == ["batch"]
     assert [int(dtensor.unpack(next(iterator))[0][0]) for _ in range(2)] == [8, 16]
     with pytest.raises(StopIteration):
         next(iterator)
+    assert packing_threads == {threading.current_thread()}
 
 
 def test_partial_last_batch_through_a_filter_split_conv_and_global_pooling():

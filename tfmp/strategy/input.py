@@ -12,7 +12,7 @@ from tensorflow.python.distribute import input_lib
 
 from tfmp import distributed
 from tfmp.strategy.graph_capture import FirstStepGraphs
-from tfmp.strategy.placement import BatchPlacer
+from tfmp.strategy.placement import BatchPlacer, pack
 
 _HOST = "CPU:0"
 
@@ -77,16 +77,19 @@ class ClientMeshDataset(MeshDataset, input_lib.DistributedDatasetsFromFunction):
 
 
 class MeshIterator:
-    """Iterator over a `MeshDataset` that places each batch on the mesh one
-    step ahead.
+    """Iterator over a `MeshDataset` that prepares each batch one step ahead.
 
     While the step on batch k runs, a worker thread reads batch k+2 on the
-    host and packs batch k+1 onto the mesh, so the step does not wait for the
-    host. Reading one batch further ahead tells whether a batch is the last
-    (a partial last batch is laid out to stay exact). In a multi-client run
-    the batch is placed in the caller's thread, still one step ahead: there,
-    a worker thread's eager ops broke Orbit's summary writer ("Resource
-    .../SummaryWriterInterface does not exist" in the run after a restore).
+    host and cuts batch k+1 into its devices' shards, so the step does not
+    wait for the host. Reading one batch further ahead tells whether a batch
+    is the last (a partial last batch is laid out to stay exact). Packing the
+    shards onto the mesh happens in the caller's thread, when the batch is
+    asked for: DTensor's device is not safe to use from two threads at once
+    (a worker packing while a step ran crashed the process now and then). In
+    a multi-client run the batch is also cut in the caller's thread, still
+    one step ahead: there, a worker thread's eager ops broke Orbit's summary
+    writer ("Resource .../SummaryWriterInterface does not exist" in the run
+    after a restore).
     """
 
     def __init__(
@@ -111,16 +114,16 @@ class MeshIterator:
         self._ahead = self._submit(self._pull())
 
     def _submit(self, batch: Any) -> concurrent.futures.Future:
-        """Places `batch` (and reads the one after it) on the worker thread,
-        or now where there is none."""
+        """Cuts `batch` into shards (and reads the one after it) on the worker
+        thread, or now where there is none."""
         if self._worker is not None:
-            return self._worker.submit(self._place_next, batch)
-        placed = concurrent.futures.Future()
+            return self._worker.submit(self._split_next, batch)
+        split = concurrent.futures.Future()
         try:
-            placed.set_result(self._place_next(batch))
+            split.set_result(self._split_next(batch))
         except Exception as error:  # raised when the batch is asked for, as on the worker
-            placed.set_exception(error)
-        return placed
+            split.set_exception(error)
+        return split
 
     def _pull(self) -> Any:
         try:
@@ -129,12 +132,13 @@ class MeshIterator:
         except (StopIteration, tf.errors.OutOfRangeError):
             return None
 
-    def _place_next(self, batch: Any) -> tuple[Any, Any] | None:
-        """`batch` placed on the mesh and the host batch after it; None at the end."""
+    def _split_next(self, batch: Any) -> tuple[Any, Any] | None:
+        """`batch` cut into its devices' shards and the host batch after it;
+        None at the end."""
         if batch is None:
             return None
         following = self._pull()
-        return self._placer.place_batch(batch, following is None, self._local_rows), following
+        return self._placer.split_batch(batch, following is None, self._local_rows), following
 
     def __iter__(self) -> "MeshIterator":
         return self
@@ -159,10 +163,10 @@ class MeshIterator:
             # Keras stops an epoch of unknown length on OutOfRangeError; a plain
             # StopIteration inside its step loop would leave it without outputs.
             raise tf.errors.OutOfRangeError(None, None, "End of dataset.")
-        placed, following = ahead
+        shards, following = ahead
         self._first_step_graphs.on_batch()
         self._ahead = self._submit(following)
-        return placed
+        return pack(shards)
 
     def get_next(self) -> Any:
         return next(self)

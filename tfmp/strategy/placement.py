@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable
 
@@ -29,33 +30,52 @@ def to_layout(value: Any, layout: dtensor.Layout, local_rows: bool = False) -> t
         if current.mesh == layout.mesh:
             return dtensor.relayout(value, layout)
         value = to_host(value)
-    value = tf.convert_to_tensor(value)
-    mesh = layout.mesh
-    locations = mesh.local_device_locations()
-    split_dims = [
-        (dim, spec)
-        for dim, spec in enumerate(layout.sharding_specs)
-        if spec != dtensor.UNSHARDED
-    ]
-    # Which piece of each split dimension a position along its axis takes.
-    pieces = {spec: list(range(mesh.dim_size(spec))) for _, spec in split_dims}
-    if local_rows and split_dims and split_dims[0][0] == 0:
-        spec = split_dims[0][1]
-        pieces[spec] = sorted({location[spec] for location in locations})
-    with tf.device(value.device):  # split on the host, not on the mesh
-        blocks = {(): value}
-        for dim, spec in split_dims:
-            blocks = {
-                key + (position,): piece
-                for key, block in blocks.items()
-                for position, piece in zip(
-                    pieces[spec], tf.split(block, len(pieces[spec]), axis=dim)
-                )
-            }
-    components = [
-        blocks[tuple(location[spec] for _, spec in split_dims)] for location in locations
-    ]
-    return dtensor.pack(components, layout)
+    return HostShards.split(value, layout, local_rows).pack()
+
+
+@dataclasses.dataclass(frozen=True)
+class HostShards:
+    """A host value cut into the shard of each of this client's devices, in
+    the mesh's device order: `pack` puts them on the mesh.
+
+    Cutting is plain host work; only `pack` uses the DTensor device, so the
+    cut can run on another thread than the steps (DTensor's device is not
+    safe to use from two threads at once).
+    """
+
+    shards: list[tf.Tensor]
+    layout: dtensor.Layout
+
+    @classmethod
+    def split(cls, value: Any, layout: dtensor.Layout, local_rows: bool = False) -> "HostShards":
+        value = tf.convert_to_tensor(value)
+        mesh = layout.mesh
+        locations = mesh.local_device_locations()
+        split_dims = [
+            (dim, spec)
+            for dim, spec in enumerate(layout.sharding_specs)
+            if spec != dtensor.UNSHARDED
+        ]
+        # Which piece of each split dimension a position along its axis takes.
+        pieces = {spec: list(range(mesh.dim_size(spec))) for _, spec in split_dims}
+        if local_rows and split_dims and split_dims[0][0] == 0:
+            spec = split_dims[0][1]
+            pieces[spec] = sorted({location[spec] for location in locations})
+        with tf.device(value.device):  # split on the host, not on the mesh
+            blocks = {(): value}
+            for dim, spec in split_dims:
+                blocks = {
+                    key + (position,): piece
+                    for key, block in blocks.items()
+                    for position, piece in zip(
+                        pieces[spec], tf.split(block, len(pieces[spec]), axis=dim)
+                    )
+                }
+        shards = [blocks[tuple(location[spec] for _, spec in split_dims)] for location in locations]
+        return cls(shards, layout)
+
+    def pack(self) -> tf.Tensor:
+        return dtensor.pack(self.shards, self.layout)
 
 
 def replicate(value: tf.Tensor, mesh: dtensor.Mesh | None = None) -> tf.Tensor:
@@ -127,19 +147,24 @@ class BatchPlacer:
         """Packs every host tensor or array in `structure` onto the mesh
         (inputs onto the input mesh, `targets` onto the output mesh); with
         `local_rows`, each holds only this client's rows of the batch."""
-        mesh = self.mesh if targets else self.input_mesh
-        return tf.nest.map_structure(
-            lambda x: self.place_tensor(x, is_last_batch, mesh, local_rows), structure
-        )
+        return pack(self._split(structure, is_last_batch, targets, local_rows))
 
-    def place_batch(self, batch: Any, is_last_batch: bool = True, local_rows: bool = False) -> Any:
-        """Checks and packs an `(x, y, sample_weight)` batch: `x` as inputs,
-        the rest as targets."""
+    def split_batch(self, batch: Any, is_last_batch: bool = True, local_rows: bool = False) -> Any:
+        """Checks an `(x, y, sample_weight)` batch and cuts each of its host
+        tensors into `HostShards` (host work only: `pack` places them)."""
         self.check_batch(batch, local_rows)
         if self.input_mesh is self.mesh or not isinstance(batch, tuple) or len(batch) < 2:
-            return self.place(batch, is_last_batch, local_rows=local_rows)
-        return (self.place(batch[0], is_last_batch, local_rows=local_rows),) + self.place(
+            return self._split(batch, is_last_batch, local_rows=local_rows)
+        return (self._split(batch[0], is_last_batch, local_rows=local_rows),) + self._split(
             batch[1:], is_last_batch, targets=True, local_rows=local_rows
+        )
+
+    def _split(
+        self, structure: Any, is_last_batch: bool, targets: bool = False, local_rows: bool = False
+    ) -> Any:
+        mesh = self.mesh if targets else self.input_mesh
+        return tf.nest.map_structure(
+            lambda x: self._split_tensor(x, is_last_batch, mesh, local_rows), structure
         )
 
     def check_batch(self, batch: Any, local_rows: bool = False) -> None:
@@ -159,12 +184,12 @@ class BatchPlacer:
             {location[self.batch_axis] for location in self.input_mesh.local_device_locations()}
         )
 
-    def place_tensor(
+    def _split_tensor(
         self,
         value: Any,
-        is_last_batch: bool = True,
-        mesh: dtensor.Mesh | None = None,
-        local_rows: bool = False,
+        is_last_batch: bool,
+        mesh: dtensor.Mesh,
+        local_rows: bool,
     ) -> Any:
         if value is None or dtensor.is_dtensor(value) or not _is_array(value):
             return value
@@ -180,7 +205,7 @@ class BatchPlacer:
                     f"{self.batch_parts // parts} rows (drop_remainder=True)."
                 )
             shape = tf.TensorShape([shape[0] * parts]).concatenate(shape[1:])
-        return to_layout(value, self.layout_for(shape, is_last_batch, mesh), local_rows)
+        return HostShards.split(value, self.layout_for(shape, is_last_batch, mesh), local_rows)
 
     def layout_for(
         self,
@@ -205,6 +230,13 @@ class BatchPlacer:
                 )
             return dtensor.Layout.replicated(mesh, rank)
         return dtensor.Layout.batch_sharded(mesh, self.batch_axis, rank)
+
+
+def pack(structure: Any) -> Any:
+    """`structure` with each `HostShards` packed onto its mesh."""
+    return tf.nest.map_structure(
+        lambda x: x.pack() if isinstance(x, HostShards) else x, structure
+    )
 
 
 def input_pipelines(
