@@ -164,3 +164,34 @@ def test_split_weight_an_op_refuses_names_the_variable_and_its_layout():
         match=r"op 'Conv2D' in layer '\S*raw_conv'(.|\n)*raw_conv/kernel: \(None, None, None, 'model'\)(.|\n)*LayoutMap rules",
     ):
         model.predict(x, batch_size=4, verbose=0)
+
+
+class SimilarityBothWays(keras.layers.Layer):
+    """CLIP's head in small: text-image similarities and their transpose."""
+
+    def call(self, image, text):
+        per_text = keras.ops.matmul(text, keras.ops.transpose(image))
+        return keras.ops.transpose(per_text)
+
+
+def test_transpose_that_dtensor_refuses_says_what_to_do_instead():
+    """The (batch, batch) logits' rows are split over the batch, and so are
+    the transposed ones: no rule of a variable decides that, and the fix
+    says so."""
+
+    def build():
+        image, text = keras.Input((6,), name="image"), keras.Input((6,), name="text")
+        logits = SimilarityBothWays(name="similarity")(
+            keras.layers.Dense(8, name="image_proj")(image), keras.layers.Dense(8, name="text_proj")(text)
+        )
+        return keras.Model({"image": image, "text": text}, keras.ops.logsumexp(logits, axis=-1, keepdims=True))
+
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)), layout_map="auto")
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer="adam", loss="mse")
+    x = {name: np.zeros((8, 6), "float32") for name in ("image", "text")}
+    with pytest.raises(
+        ValueError, match=r"op 'Transpose' in layer '\S*similarity'(.|\n)*ops\.transpose\(b @ ops\.transpose\(a\)\)"
+    ):
+        model.fit(x, np.zeros((8, 1), "float32"), batch_size=8, verbose=0)

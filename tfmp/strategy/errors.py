@@ -66,6 +66,16 @@ def _fix(cause: str) -> str:
             "mask as integers or floats until the op that uses it, or leave the "
             "model on one device."
         )
+    if "TransposeOp SPMD needs communication" in cause:
+        return (
+            "Fix: DTensor's Transpose cannot move a split: the transposed tensor's "
+            "consumer asks for a layout that is not the permuted one (a (batch, batch) "
+            "matrix such as CLIP's logits, whose rows are split, transposed and split "
+            "again). The variables' rules do not decide it. Compute the transposed "
+            "value from its inputs instead (`a @ ops.transpose(b)` in place of "
+            "`ops.transpose(b @ ops.transpose(a))`), or split the mesh over one axis "
+            "only (8x1 or 1x8), where DTensor lays it out."
+        )
     if "layout propagation" in cause:
         return (
             "Fix: DTensor has no rule for this op. If the layer calls TensorFlow "
