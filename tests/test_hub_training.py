@@ -4,6 +4,7 @@ and the fixes on their own: each on a 2x4 mesh against one device."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import ops
 
 import tfmp
@@ -227,3 +228,30 @@ def test_multi_output_backbones_with_auto_layout_match_single_device(name):
     }
     # The attention key biases of both towers: their gradient is 0 in theory.
     assert_parity(build, lambda device_mesh: "auto", x, Y, zero_gradient=r"/self_attn/key/bias$")
+
+
+class RegionGather(keras.layers.Layer):
+    """SAM3's ROI align in small: `tf.gather_nd` with indices of rank 7."""
+
+    def call(self, features, points):
+        indices = ops.cast(ops.reshape(points, (-1, 1, 1, 1, 1, 1, 4)), "int32")
+        return ops.reshape(tf.gather_nd(features, indices), (-1, 6))
+
+
+def test_gather_nd_with_high_rank_indices_matches_single_device():
+    """Its gradient (a ScatterNd into a 6-D tensor) crashed the process on a
+    mesh; tfmp gathers a list of the indices and reshapes."""
+
+    def build():
+        image, points = keras.Input((4, 4, 3), name="image"), keras.Input((6, 4), name="points")
+        features = keras.layers.Dense(8, name="features")(image)
+        gathered = RegionGather(name="region_gather")(features, points)
+        return keras.Model({"image": image, "points": points}, keras.layers.Dense(4, name="head")(gathered))
+
+    rng = np.random.default_rng(1)
+    rows = np.broadcast_to((np.arange(12) % 4)[:, None], (12, 6))
+    points = np.stack(
+        [rows, rng.integers(0, 4, (12, 6)), rng.integers(0, 4, (12, 6)), rng.integers(0, 8, (12, 6))], -1
+    )
+    x = {"image": rng.normal(size=(12, 4, 4, 3)).astype("float32"), "points": points.astype("float32")}
+    assert_parity(build, lambda device_mesh: "auto", x, Y)

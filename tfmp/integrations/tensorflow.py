@@ -32,4 +32,12 @@ PATCHES = (
         "which DTensor cannot lay out.",
         parameters=("dtype", "size", "dynamic_size", "handle", "flow"),
     ),
+    Patch(
+        "tensorflow",
+        "gather_nd",
+        "tfmp.lowering.indexing:gather_nd_on_index_lists",
+        "Indices of rank 7 (SAM3's ROI align) crash the process in the "
+        "gradient of the step's gather on a mesh.",
+        parameters=("params", "indices", "batch_dims", "name"),
+    ),
 )

@@ -26,11 +26,16 @@ elementwise ops.
   ("'tf.MatrixDiagV3' op does not implement layout propagation"; Qwen 3.5's
   gated delta net adds `ops.eye(chunk_size)`). `rows + k == columns` is the
   same matrix.
+- `tf.gather_nd` with indices of rank 7 (SAM3's ROI align, called on
+  TensorFlow directly) crashes the process in the step's backward pass, the
+  `ScatterNd` into a 6-D gradient; ranks up to 6 run. On a mesh the indices
+  are gathered as a list (rank 2) and the result reshaped: the same values.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
@@ -138,3 +143,32 @@ LOWERINGS = (
         "tf.eye is a MatrixDiagV3, which DTensor has no layout rule for",
     ),
 )
+
+
+def gather_nd_on_index_lists(gather_nd: Callable) -> Callable:
+    """`tf.gather_nd` that, in a forward pass on a mesh, looks up indices of
+    rank 3 or more as one list of indices and reshapes the result (see the
+    module's docstring). Batched gathers and indices of unknown rank or depth
+    are TensorFlow's own."""
+
+    @functools.wraps(gather_nd)
+    def wrapper(params, indices, batch_dims=0, name=None):
+        shape = getattr(indices, "shape", None)
+        if (
+            forward_mesh() is None
+            or batch_dims
+            or shape is None
+            or shape.rank is None
+            or shape.rank < 3
+            or shape[-1] is None
+        ):
+            return gather_nd(params, indices, batch_dims=batch_dims, name=name)
+        indices = tf.convert_to_tensor(indices)
+        found = gather_nd(params, tf.reshape(indices, [-1, shape[-1]]), name=name)
+        target = shape[:-1].concatenate(found.shape[1:])
+        if target.is_fully_defined():
+            return tf.reshape(found, target)
+        return tf.reshape(found, tf.concat([tf.shape(indices)[:-1], tf.shape(found)[1:]], 0))
+
+    return wrapper
+
