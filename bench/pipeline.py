@@ -41,7 +41,7 @@ So here:
   medians and the m=1 check;
 - the ideal assumes devices that do not slow each other down. Two logical
   devices on this machine's 2 cores do: trained data-parallel (the same
-  layers and batch, no bubble, one small all-reduce) they ran 1.66-1.73x
+  layers and batch, no bubble, one small all-reduce) they ran 1.54-1.79x (four runs)
   faster than one device, not 2x, as two cores share caches and memory
   bandwidth. `ideal_here` is the ideal with every pass that overlaps
   another's running that much slower, measured in the same round; it reads
@@ -55,7 +55,7 @@ computing its input's gradient, evened the stages' totals (3 + 3 matmuls
 each) but not their phases (2.5 + 3.5 against 2 + 4): GPipe, which runs all
 forwards then all backwards, then went at the slower stage's pace in each
 phase, and the profile showed the faster stage waiting 1.3-1.9 ms before
-each pass; at m = 8 GPipe read 71-77% of the ideal against 1F1B's 79-89%. On 2 cores the 2
+each pass; at m = 8 GPipe read 71-73% of the ideal against 1F1B's 79-80% (two runs). On 2 cores the 2
 stages overlap fully
 only if nothing else runs: the step's Python, the input pipeline and other
 processes take cores from the stages, and the ideal is then out of reach

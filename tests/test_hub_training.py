@@ -202,7 +202,7 @@ def _pooled_features(output):
 
 # CLIP, MetaCLIP 2 (a Transpose of the (batch, batch) logits that DTensor
 # refuses on a 2x4 mesh), D-FINE (`ops.map`: a TensorArray in a while loop)
-# and SAM3 (ROI align: a segfault in training) do not match yet.
+# and SAM3 (`Unpack` of box coordinates split over "model") do not match yet.
 @pytest.mark.parametrize("name", ["SigLIPBackbone"])
 def test_multi_output_backbones_with_auto_layout_match_single_device(name):
     """A backbone with a dict of outputs (contrastive logits, detections)

@@ -171,4 +171,3 @@ def gather_nd_on_index_lists(gather_nd: Callable) -> Callable:
         return tf.reshape(found, tf.concat([tf.shape(indices)[:-1], tf.shape(found)[1:]], 0))
 
     return wrapper
-
