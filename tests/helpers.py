@@ -160,6 +160,7 @@ def assert_parity(
     loss_atol=1e-6,
     prediction_atol=None,
     evaluate=False,
+    zero_gradient_atol=1e-3,
     **fit_kwargs,
 ):
     """Fits `build()` on one device and under a strategy from the same
@@ -176,8 +177,8 @@ def assert_parity(
     Weights whose path matches the regex `zero_gradient` have an exactly
     zero gradient in theory (an attention key bias: softmax ignores a
     constant added to every score), which Adam turns into steps of float
-    noise; they are compared with an absolute floor of 1e-3 (3 Adam steps at
-    0.01 move a weight by up to 0.03); the others with `atol`. Predictions
+    noise; they are compared with an absolute floor of `zero_gradient_atol`
+    (3 Adam steps at 0.01 move a weight by up to 0.03); the others with `atol`. Predictions
     get `prediction_atol`, by default 1e-5 of the output scale: shards sum in
     another order than one device. With `evaluate`, `evaluate`'s results are
     compared too. The largest differences are printed, for the report."""
@@ -213,7 +214,7 @@ def assert_parity(
         np.testing.assert_allclose(history.history[key], values, rtol=1e-5, atol=loss_atol, err_msg=key)
     ref_final, final = reference.get_weights(), model.get_weights()
     for variable, want, got in zip(model.weights, ref_final, final, strict=True):
-        floor = 1e-3 if zero_gradient and re.search(zero_gradient, variable.path) else atol
+        floor = zero_gradient_atol if zero_gradient and re.search(zero_gradient, variable.path) else atol
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=floor, err_msg=variable.path)
     batch_size = fit_kwargs["batch_size"]
     if evaluate:

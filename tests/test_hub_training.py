@@ -200,10 +200,13 @@ def _pooled_features(output):
     return ops.mean(keras.layers.Reshape((-1, output.shape[-1]))(output), axis=1)
 
 
-# CLIP, MetaCLIP 2 (a Transpose of the (batch, batch) logits that DTensor
-# refuses on a 2x4 mesh), D-FINE (`ops.map`: a TensorArray in a while loop)
-# and SAM3 (`Unpack` of box coordinates split over "model") do not match yet.
-@pytest.mark.parametrize("name", ["SigLIPBackbone"])
+# The attention key biases' float noise, which Adam turns into steps: CLIP's
+# differ from one device's by up to 2.6e-3 after 3 steps (one step moves a
+# weight by up to 0.01), SigLIP's by less than 1e-3.
+ZERO_GRADIENT_ATOL = {"CLIPBackbone": 1e-2}
+
+
+@pytest.mark.parametrize("name", ["SigLIPBackbone", "CLIPBackbone"])
 def test_multi_output_backbones_with_auto_layout_match_single_device(name):
     """A backbone with a dict of outputs (contrastive logits, detections)
     under a head that takes every float output: each pooled to (batch,
@@ -227,7 +230,14 @@ def test_multi_output_backbones_with_auto_layout_match_single_device(name):
         "token_ids": rng.integers(1, 64, size=(12, 8)).astype("int32"),
     }
     # The attention key biases of both towers: their gradient is 0 in theory.
-    assert_parity(build, lambda device_mesh: "auto", x, Y, zero_gradient=r"/self_attn/key/bias$")
+    assert_parity(
+        build,
+        lambda device_mesh: "auto",
+        x,
+        Y,
+        zero_gradient=r"/(self_attn|attention)/key/bias$",
+        zero_gradient_atol=ZERO_GRADIENT_ATOL.get(name, 1e-3),
+    )
 
 
 class RegionGather(keras.layers.Layer):

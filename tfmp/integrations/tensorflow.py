@@ -40,4 +40,29 @@ PATCHES = (
         "gradient of the step's gather on a mesh.",
         parameters=("params", "indices", "batch_dims", "name"),
     ),
+    Patch(
+        "tensorflow",
+        "concat",
+        "tfmp.lowering.joins:concat_kept_whole_on_axis",
+        "DTensor concatenates shards when layout propagation splits the "
+        "joined dimension: wrong values silently for axis=-1 "
+        "(keras.layers.Concatenate before a row-parallel Dense).",
+        parameters=("values", "axis", "name"),
+    ),
+    Patch(
+        "tensorflow",
+        "stack",
+        "tfmp.lowering.joins:stack_kept_whole_on_axis",
+        "DTensor's Pack gives shards of the wrong size when layout "
+        "propagation splits the new dimension (a loop over the batch).",
+        parameters=("values", "axis", "name"),
+    ),
+    Patch(
+        "tensorflow",
+        "unstack",
+        "tfmp.lowering.joins:unstack_whole_axis",
+        "DTensor's Unpack gives shards of the wrong size when the unstacked "
+        "dimension is split (SAM3's box coordinates).",
+        parameters=("value", "num", "axis", "name"),
+    ),
 )

@@ -1,4 +1,4 @@
-"""Image warps as gathers, and crops at a traced offset as slices of fixed size.
+"""Image warps as gathers; crops at a traced offset, and backward ranges, as slices and gathers.
 
 - Keras warps images (RandomRotation, RandomZoom, RandomTranslation,
   RandomShear through `image.affine_transform`; RandomPerspective through
@@ -32,6 +32,10 @@
   the two labels until a `Transpose` is left with layouts it refuses: Gemma
   3n's AltUp). On a mesh such a slice with fixed bounds keeps the indexed
   dimensions (`i:i + 1`) and squeezes them, which DTensor lays out right.
+- DTensor's `StridedSlice` with a negative step over a whole split
+  dimension (`x[:, ::-1]`, `x[::-2]`) reverses each device's shard in place
+  (values and gradient wrong, silently). On a mesh such a dimension is
+  sliced whole and gathered at the positions the range names.
 - RandomElasticTransform draws its displacement field with
   `tf.random.stateless_normal` directly, which DTensor draws shard by shard:
   on a mesh `image.elastic_transform` raises an error that says to apply it
@@ -393,15 +397,16 @@ def strided_slice(
     `assign`, stays TensorFlow's own)."""
     if all(bound is None or tf.get_static_value(bound) is not None for bound in (begin, end, strides)):
         rank = tf.TensorShape(getattr(input_, "shape", None)).rank
+        if strides is not None and var is None and rank is not None and np.any(np.asarray(tf.get_static_value(strides)) < 0):
+            fixed = _FixedSlice.of(begin, end, strides, begin_mask, end_mask, ellipsis_mask, new_axis_mask, shrink_axis_mask)
+            return _backward_ranges_as_gathers(tf.convert_to_tensor(input_), fixed, name)
         if new_axis_mask and not ellipsis_mask and var is None and rank is not None:
             begin, end, strides, begin_mask, end_mask = _every_dimension_named(
                 begin, end, strides, begin_mask, end_mask, new_axis_mask, rank
             )
         if shrink_axis_mask and var is None and rank is not None and rank >= 2:
-            return _slice_then_squeeze(
-                input_, begin, end, strides, begin_mask, end_mask, ellipsis_mask,
-                new_axis_mask, shrink_axis_mask, var, name,
-            )
+            fixed = _FixedSlice.of(begin, end, strides, begin_mask, end_mask, ellipsis_mask, new_axis_mask, shrink_axis_mask)
+            return _slice_then_squeeze(tf.convert_to_tensor(input_), fixed, name)
         return keras_original(_ARRAY_OPS, "strided_slice")(
             input_, begin, end, strides, begin_mask, end_mask, ellipsis_mask,
             new_axis_mask, shrink_axis_mask, var, name,
@@ -450,55 +455,115 @@ def _every_dimension_named(
     return starts, stops, steps, begin_mask, end_mask
 
 
-def _slice_then_squeeze(
-    input_: Any,
-    begin: Any,
-    end: Any,
-    strides: Any,
-    begin_mask: int,
-    end_mask: int,
-    ellipsis_mask: int,
-    new_axis_mask: int,
-    shrink_axis_mask: int,
-    var: Any,
-    name: Any,
-) -> tf.Tensor:
+@dataclasses.dataclass
+class _FixedSlice:
+    """The arguments of a `strided_slice` whose bounds are known when traced."""
+
+    starts: list[int]
+    stops: list[int]
+    steps: list[int] | None
+    begin_mask: int
+    end_mask: int
+    ellipsis_mask: int
+    new_axis_mask: int
+    shrink_axis_mask: int
+
+    @classmethod
+    def of(cls, begin: Any, end: Any, strides: Any, *masks: int) -> _FixedSlice:
+        starts, stops = (
+            [int(value) for value in np.reshape(tf.get_static_value(bound), [-1])] for bound in (begin, end)
+        )
+        steps = None if strides is None else [int(v) for v in np.reshape(tf.get_static_value(strides), [-1])]
+        return cls(starts, stops, steps, *masks)
+
+    def entries(self) -> range:
+        return range(len(self.starts))
+
+    def unnamed_dimensions(self, rank: int) -> int:
+        """How many input dimensions the ellipsis stands for."""
+        new_axes = sum(1 for entry in self.entries() if self.new_axis_mask & (1 << entry))
+        return rank - (len(self.starts) - 1 - new_axes)
+
+    def run(self, input_: tf.Tensor, name: Any) -> tf.Tensor:
+        """TensorFlow's own `strided_slice` with these arguments."""
+        return keras_original(_ARRAY_OPS, "strided_slice")(
+            input_, self.starts, self.stops, self.steps, self.begin_mask, self.end_mask,
+            self.ellipsis_mask, self.new_axis_mask, self.shrink_axis_mask, None, name,
+        )
+
+
+def _backward_ranges_as_gathers(input_: tf.Tensor, fixed: _FixedSlice, name: Any) -> tf.Tensor:
+    """`input_[..., a:b:-k, ...]` with fixed bounds on a mesh: the dimensions
+    read backward are sliced whole, then gathered at the positions the range
+    names. DTensor's `StridedSlice` with a negative step over a whole
+    dimension (`x[:, ::-1]`) reverses each device's shard in place: the
+    shards come out in the order of the mesh, each reversed."""
+    forward = dataclasses.replace(fixed, starts=list(fixed.starts), stops=list(fixed.stops), steps=list(fixed.steps))
+    backward, input_dim, output_dim = [], 0, 0
+    for entry in fixed.entries():
+        bit = 1 << entry
+        if fixed.ellipsis_mask & bit:
+            unnamed = fixed.unnamed_dimensions(input_.shape.rank)
+            input_dim, output_dim = input_dim + unnamed, output_dim + unnamed
+            continue
+        if fixed.new_axis_mask & bit:
+            output_dim += 1
+            continue
+        shrunk = fixed.shrink_axis_mask & bit
+        if not shrunk and fixed.steps[entry] < 0:
+            start = None if fixed.begin_mask & bit else fixed.starts[entry]
+            stop = None if fixed.end_mask & bit else fixed.stops[entry]
+            backward.append((output_dim, _backward_positions(input_, input_dim, start, stop, fixed.steps[entry])))
+            forward.starts[entry], forward.stops[entry], forward.steps[entry] = 0, 0, 1
+            forward.begin_mask, forward.end_mask = forward.begin_mask | bit, forward.end_mask | bit
+        input_dim += 1
+        output_dim += 0 if shrunk else 1
+    sliced = strided_slice(
+        input_, forward.starts, forward.stops, forward.steps, forward.begin_mask, forward.end_mask,
+        forward.ellipsis_mask, forward.new_axis_mask, forward.shrink_axis_mask, None, name,
+    )
+    for dim, positions in backward:
+        sliced = tf.gather(sliced, positions, axis=dim)
+    return sliced
+
+
+def _backward_positions(input_: tf.Tensor, dim: int, start: int | None, stop: int | None, step: int) -> tf.Tensor:
+    """The positions `start:stop:step` (step < 0) names in dimension `dim`,
+    as Python's `range(size)[start:stop:step]` counts them."""
+    size = input_.shape[dim]
+    if size is not None:
+        return tf.constant(list(range(size)[start:stop:step]), "int32")
+    size = tf.shape(input_, out_type="int32")[dim]
+    first = size - 1 if start is None else tf.clip_by_value(start + size if start < 0 else start, -1, size - 1)
+    last = -1 if stop is None else tf.clip_by_value(stop + size if stop < 0 else stop, -1, size - 1)
+    return tf.range(first, last, step)
+
+
+def _slice_then_squeeze(input_: tf.Tensor, fixed: _FixedSlice, name: Any) -> tf.Tensor:
     """`input_[..., i, ...]` with fixed bounds on a mesh: the slice keeps
     each indexed dimension (`i:i + 1`) and a squeeze drops it. DTensor's own
     `StridedSlice` with a `shrink_axis_mask` drops the wrong dimension's
     sharding: `stack[0]` of a `(2, batch, seq, features)` stack split on its
     second dimension comes out labelled split on its second dimension again
     (the sequence), and its shards hold other rows than that label says."""
-    input_ = tf.convert_to_tensor(input_)
-    starts = [int(value) for value in np.reshape(tf.get_static_value(begin), [-1])]
-    stops = [int(value) for value in np.reshape(tf.get_static_value(end), [-1])]
-    rank, entries = input_.shape.rank, len(starts)
-    new_axes = sum(1 for entry in range(entries) if new_axis_mask & (1 << entry))
+    kept = dataclasses.replace(fixed, stops=list(fixed.stops), shrink_axis_mask=0)
     squeezed, output_dim = [], 0
-    for entry in range(entries):
+    for entry in fixed.entries():
         bit = 1 << entry
-        if ellipsis_mask & bit:
-            output_dim += rank - (entries - 1 - new_axes)
-        elif new_axis_mask & bit:
-            output_dim += 1
-        elif shrink_axis_mask & bit:
+        if fixed.ellipsis_mask & bit:
+            output_dim += fixed.unnamed_dimensions(input_.shape.rank)
+            continue
+        if fixed.shrink_axis_mask & bit:
             # The index alone: `-1` reads to the end, others up to the next.
-            stops[entry] = starts[entry] + 1
-            if starts[entry] == -1:
-                end_mask |= bit
-            begin_mask &= ~bit
+            kept.stops[entry] = fixed.starts[entry] + 1
+            if fixed.starts[entry] == -1:
+                kept.end_mask |= bit
+            kept.begin_mask &= ~bit
             squeezed.append(output_dim)
-            output_dim += 1
-        else:
-            output_dim += 1
-    if strides is not None:
-        step = [int(value) for value in np.reshape(tf.get_static_value(strides), [-1])]
-        strides = [1 if shrink_axis_mask & (1 << entry) else value for entry, value in enumerate(step)]
-    sliced = keras_original(_ARRAY_OPS, "strided_slice")(
-        input_, starts, stops, strides, begin_mask, end_mask, ellipsis_mask,
-        new_axis_mask, 0, var, name,
-    )
-    return tf.squeeze(sliced, squeezed)
+        output_dim += 1
+    if fixed.steps is not None:
+        kept.steps = [1 if fixed.shrink_axis_mask & (1 << entry) else step for entry, step in enumerate(fixed.steps)]
+    return tf.squeeze(kept.run(input_, name), squeezed)
 
 
 def _gathered_slice(

@@ -53,6 +53,8 @@ _FAMILIES = (
     "tfmp.lowering.pooling",
     "tfmp.lowering.reduction",
     "tfmp.lowering.elementwise",
+    "tfmp.lowering.arrays",
+    "tfmp.lowering.loops",
 )
 
 

@@ -71,10 +71,17 @@ def _fix(cause: str) -> str:
             "Fix: DTensor's Transpose cannot move a split: the transposed tensor's "
             "consumer asks for a layout that is not the permuted one (a (batch, batch) "
             "matrix such as CLIP's logits, whose rows are split, transposed and split "
-            "again). The variables' rules do not decide it. Compute the transposed "
-            "value from its inputs instead (`a @ ops.transpose(b)` in place of "
-            "`ops.transpose(b @ ops.transpose(a))`), or split the mesh over one axis "
-            "only (8x1 or 1x8), where DTensor lays it out."
+            "again). The variables' rules do not decide it. Transpose with "
+            "keras.ops.transpose, which tfmp runs as an einsum DTensor lays out, in "
+            "place of tf.transpose."
+        )
+    if "TensorList" in cause:
+        return (
+            "Fix: a tf.while_loop (keras.ops.while_loop, or a fori_loop, scan or map "
+            "whose trip count is known only in the step) keeps each iteration's values "
+            "for the gradient in TensorLists, which DTensor cannot lay out. Give the "
+            "loop a trip count known when tracing (fori_loop with Python bounds, scan "
+            "or map over a dimension of fixed length): tfmp then unrolls it."
         )
     if "layout propagation" in cause:
         return (
