@@ -33,7 +33,7 @@ def build_branches(axis):
 def test_concatenate_before_a_row_parallel_dense(axis):
     """The Dense's kernel split on rows asks for the concatenation split on
     the joined features: with axis=-1 DTensor joined each device's shards
-    (first losses 1.27 against 1.43), with axis=1 it refused."""
+    (wrong losses from the first step), with axis=1 it refused."""
     x = RNG.normal(size=(24, 16)).astype("float32")
     assert_parity(build_branches(axis), rules({"rows/kernel": ("model", None)}), x, Y)
 

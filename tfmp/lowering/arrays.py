@@ -23,9 +23,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import string
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -51,10 +50,12 @@ def triu(x: Any, k: Any = 0) -> tf.Tensor:
 
 def _diagonal_offsets(x: tf.Tensor) -> tf.Tensor:
     """`column - row` of each entry of `x`'s last two dimensions."""
-    rows, columns = (
-        x.shape[dim] if x.shape[dim] is not None else tf.shape(x)[dim] for dim in (-2, -1)
-    )
-    return tf.range(columns)[None, :] - tf.range(rows)[:, None]
+    return tf.range(_length(x, -1))[None, :] - tf.range(_length(x, -2))[:, None]
+
+
+def _length(x: tf.Tensor, dim: int) -> Any:
+    """`x`'s length along `dim`: static where known, else read in the step."""
+    return x.shape[dim] if x.shape[dim] is not None else tf.shape(x)[dim]
 
 
 def roll(x: Any, shift: Any, axis: Any = None) -> tf.Tensor:
@@ -71,7 +72,7 @@ def roll(x: Any, shift: Any, axis: Any = None) -> tf.Tensor:
     if len(shifts) == 1:
         shifts = shifts * len(axes)
     for dim, amount in zip(axes, shifts):
-        length = x.shape[dim] if x.shape[dim] is not None else tf.shape(x)[dim]
+        length = _length(x, dim)
         x = tf.gather(x, (tf.range(length) - amount) % length, axis=dim)
     return x
 

@@ -60,12 +60,7 @@ def concat_kept_whole_on_axis(concat: Callable) -> Callable:
         if axis_value is None:
             return concat(values, axis, name=name)
         parts = [tf.convert_to_tensor(value) for value in values]
-        if not _is_float(parts[0]):
-            return concat(parts, axis_value, name=name)
-        if parts[0].shape.rank <= 2:
-            return read_whole_along(concat(parts, axis_value, name=name), axis_value)
-        joined = joined_whole(parts, axis_value)
-        return concat(parts, axis_value, name=name) if joined is None else joined
+        return _joined_on_mesh(parts, axis_value, lambda: concat(parts, axis_value, name=name))
 
     return wrapper
 
@@ -79,13 +74,11 @@ def stack_kept_whole_on_axis(stack: Callable) -> Callable:
         axis_value = _static_axis(values, axis, extra_dimension=True)
         if axis_value is None:
             return stack(values, axis, name=name)
-        stacked = stack(values, axis_value, name=name)
-        if not _is_float(stacked):
-            return stacked
-        if stacked.shape.rank <= 2:
-            return read_whole_along(stacked, axis_value)
-        joined = joined_whole([tf.expand_dims(value, axis_value) for value in values], axis_value)
-        return stacked if joined is None else joined
+        values = [tf.convert_to_tensor(value) for value in values]
+        if not _is_float(values[0]):  # shapes: no ops added beside the stack
+            return stack(values, axis_value, name=name)
+        parts = [tf.expand_dims(value, axis_value) for value in values]
+        return _joined_on_mesh(parts, axis_value, lambda: stack(values, axis_value, name=name))
 
     return wrapper
 
@@ -105,6 +98,17 @@ def unstack_whole_axis(unstack: Callable) -> Callable:
         return unstack(read_whole_along(value, axis), num, axis, name)
 
     return wrapper
+
+
+def _joined_on_mesh(parts: list[tf.Tensor], axis: int, join: Callable[[], tf.Tensor]) -> tf.Tensor:
+    """`parts` joined along `axis` (TensorFlow's own `join()` gives the same
+    values), whole along it where floats are joined."""
+    if not _is_float(parts[0]):
+        return join()
+    if parts[0].shape.rank <= 2:
+        return read_whole_along(join(), axis)
+    joined = joined_whole(parts, axis)
+    return join() if joined is None else joined
 
 
 def read_whole_along(value: tf.Tensor, axis: int) -> tf.Tensor:

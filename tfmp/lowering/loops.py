@@ -28,11 +28,9 @@ _KERAS_CORE = "keras.src.backend.tensorflow.core"
 
 
 def fori_loop(lower: Any, upper: Any, body_fun: Callable, init_val: Any) -> Any:
-    """`keras.ops.fori_loop`, unrolled when both bounds are Python numbers."""
+    """`keras.ops.fori_loop`, unrolled when both bounds are known when traced."""
     bounds = [tf.get_static_value(bound) for bound in (lower, upper)]
-    if any(bound is None for bound in bounds) or any(
-        isinstance(bound, (tf.Tensor, tf.Variable)) for bound in (lower, upper)
-    ):
+    if None in bounds:
         return keras_original(_KERAS_CORE, "fori_loop")(lower, upper, body_fun, init_val)
     value = init_val
     for index in range(int(bounds[0]), int(bounds[1])):
