@@ -16,6 +16,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=7",
+            "pytest-xdist",
             "h5py",
             "tensorboard",
             "matplotlib",

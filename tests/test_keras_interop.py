@@ -250,14 +250,14 @@ HUB_BACKBONES = {
     ),
     "qwen3_moe": (
         "Qwen3MoeBackbone",
-        {"moe_intermediate_dim": 16, "num_experts": 4, "top_k": 2, "head_dim": 4},
+        # Every token to every expert: Qwen3's routing weights are then
+        # continuous in the weights. With top_k=2 a router near-tie (sample 10
+        # here) flips an expert on float noise: gradients agree to 2e-6
+        # relative, yet predictions after 5 Adam steps are up to 2.3e-4 apart.
+        # qwen_moe covers top_k < num_experts.
+        {"moe_intermediate_dim": 16, "num_experts": 4, "top_k": 4, "head_dim": 4},
     ),
 }
-# Qwen3's query/key RMSNorm leaves the query kernel and the embedding tiny
-# gradients, whose float noise Adam scales up to ~2e-5 in 5 steps; through the
-# experts' routing that moves a prediction (scale 3.7) by up to 1.4e-4.
-WEIGHT_ATOL = {"qwen3_moe": 5e-5}
-PREDICTION_ATOL = {"qwen3_moe": 2e-4}
 
 
 def build_hub_classifier(keras_hub, name):
@@ -312,9 +312,7 @@ def test_backbone_with_its_own_layout_map_matches_single_device(keras_hub, name)
         strategy=strategy,
         compile_fn=compile_classifier,
         steps=5,
-        atol=WEIGHT_ATOL.get(name, 1e-5),
         loss_atol=0,
-        prediction_atol=PREDICTION_ATOL.get(name),
         batch_size=4,
     )
 

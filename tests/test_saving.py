@@ -51,7 +51,9 @@ def test_keras_file_loads_onto_other_mesh_and_plain_model(trained, tmp_path, tar
         assert kernel.layout.mesh.dim_size("model") == target[1]
     assert_same_state(trained, loaded)
     x, _ = mlp_data(16, seed=9)
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), trained.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
+    # The state is bit-exact; on another mesh the row-parallel layer sums its
+    # partial products in another order (up to 2.4e-7 apart here).
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), trained.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("target", [(4, 2), None], ids=["4x2", "plain"])
