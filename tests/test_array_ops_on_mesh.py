@@ -1,12 +1,13 @@
 """Array ops DTensor joins, orders or loops over wrongly, in models that train
 on the mesh as on one device: concatenation and stacking along a dimension
 layout propagation splits, backward slices, sorts, rolls, triangles,
-transposes, and loops of a fixed length (tfmp/lowering/joins.py, arrays.py,
-loops.py)."""
+transposes, loops of a fixed length and gathers with batch_dims counted from
+the back (tfmp/lowering/joins.py, arrays.py, loops.py, indexing.py)."""
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import ops
 
 from helpers import assert_parity, rules
@@ -133,6 +134,10 @@ OPS = {
     "loops": lambda x: ops.fori_loop(0, 3, lambda i, v: v * 0.9 + ops.cast(i, "float32"), x)
     + ops.transpose(ops.scan(lambda c, r: (c * 0.5 + r, c), ops.zeros_like(ops.transpose(x)[0]), ops.transpose(x))[1])
     + ops.transpose(ops.map(lambda r: r * 2.0 + ops.sum(r), ops.transpose(x))),
+    # GatherV2 with batch_dims=-1 crashed the process in DTensor's expansion.
+    "gather_batch_dims_from_the_back": lambda x: tf.gather(
+        x, tf.argsort(tf.stop_gradient(x[:, :8]), axis=-1), axis=-1, batch_dims=-1
+    ),
 }
 
 

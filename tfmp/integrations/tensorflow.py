@@ -42,6 +42,14 @@ PATCHES = (
     ),
     Patch(
         "tensorflow",
+        "gather",
+        "tfmp.lowering.indexing:gather_with_batch_dims_from_the_front",
+        "A negative batch_dims crashes the process when DTensor expands "
+        "the step's gather.",
+        parameters=("params", "indices", "validate_indices", "axis", "batch_dims", "name"),
+    ),
+    Patch(
+        "tensorflow",
         "concat",
         "tfmp.lowering.joins:concat_kept_whole_on_axis",
         "DTensor concatenates shards when layout propagation splits the "

@@ -30,6 +30,9 @@ elementwise ops.
   TensorFlow directly) crashes the process in the step's backward pass, the
   `ScatterNd` into a 6-D gradient; ranks up to 6 run. On a mesh the indices
   are gathered as a list (rank 2) and the result reshaped: the same values.
+- `tf.gather` with a negative `batch_dims` (counted from the indices' last
+  dimension) crashes the process when DTensor expands the step. TensorFlow
+  counts it as `batch_dims + rank(indices)`; on a mesh tfmp passes that count.
 """
 
 from __future__ import annotations
@@ -169,5 +172,23 @@ def gather_nd_on_index_lists(gather_nd: Callable) -> Callable:
         if target.is_fully_defined():
             return tf.reshape(found, target)
         return tf.reshape(found, tf.concat([tf.shape(indices)[:-1], tf.shape(found)[1:]], 0))
+
+    return wrapper
+
+
+def gather_with_batch_dims_from_the_front(gather: Callable) -> Callable:
+    """`tf.gather` that, in a forward pass on a mesh, passes a negative
+    `batch_dims` as the non-negative count TensorFlow means by it (see the
+    module's docstring). Indices of unknown rank are TensorFlow's own."""
+
+    @functools.wraps(gather)
+    def wrapper(params, indices, validate_indices=None, axis=None, batch_dims=0, name=None):
+        rank = getattr(getattr(indices, "shape", None), "rank", None)
+        if batch_dims < 0 and rank is not None and forward_mesh() is not None:
+            batch_dims += rank
+        return gather(
+            params, indices, validate_indices=validate_indices, axis=axis,
+            batch_dims=batch_dims, name=name,
+        )
 
     return wrapper
