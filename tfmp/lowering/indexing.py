@@ -183,9 +183,10 @@ def gather_with_batch_dims_from_the_front(gather: Callable) -> Callable:
 
     @functools.wraps(gather)
     def wrapper(params, indices, validate_indices=None, axis=None, batch_dims=0, name=None):
-        rank = getattr(getattr(indices, "shape", None), "rank", None)
-        if batch_dims < 0 and rank is not None and forward_mesh() is not None:
-            batch_dims += rank
+        if batch_dims < 0 and forward_mesh() is not None:
+            rank = getattr(getattr(indices, "shape", None), "rank", None)
+            if rank is not None:
+                batch_dims += rank
         return gather(
             params, indices, validate_indices=validate_indices, axis=axis,
             batch_dims=batch_dims, name=name,
