@@ -208,3 +208,38 @@ def test_model_built_lazily_during_fit_is_sharded(strategy):
     model.fit(x, y, batch_size=16, verbose=0)
     assert model.get_layer("up").kernel.value.layout.sharding_specs == ["unsharded", "model"]
     assert model.get_layer("down").kernel.value.layout.sharding_specs == ["model", "unsharded"]
+
+
+@pytest.mark.parametrize("optimizer", [keras.optimizers.Adam, keras.optimizers.AdamW, "adam"])
+def test_optimizer_and_metrics_made_outside_the_scope(strategy, optimizer):
+    """Only the model is built in the scope: the optimizer (its step count,
+    AdamW's weight decay) and the compiled metrics, made outside, train and
+    log as on one device, and the optimizer's slots take their weights'
+    layouts."""
+    make = (lambda: optimizer) if isinstance(optimizer, str) else (lambda: optimizer(0.01))
+    x, y = mlp_data(48)
+    ref = build_on(None, "mlp", WEIGHTS)
+    ref.compile(optimizer=make(), loss="mse", metrics=["mae"])
+    with strategy.scope():
+        got = build_mlp()
+    got.set_weights(WEIGHTS)
+    got.compile(optimizer=make(), loss="mse", metrics=["mae"])
+    h_ref = ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    h_got = got.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(h_got[key], h_ref[key], rtol=1e-5)
+    assert_weights_close(ref.get_weights(), got.get_weights())
+    assert int(got.optimizer.iterations.numpy()) == 6
+    (momentum,) = [v for v in got.optimizer.variables if v.path.endswith("up_kernel_momentum")]
+    assert momentum.value.layout.sharding_specs == ["unsharded", "model"]
+
+
+def test_optimizer_with_variables_made_outside_the_scope_is_named(strategy):
+    x, y = mlp_data(16)
+    optimizer = keras.optimizers.Adam(0.01)
+    optimizer.build(build_mlp().trainable_variables)
+    with strategy.scope():
+        got = build_mlp()
+    got.compile(optimizer=optimizer, loss="mse")
+    with pytest.raises(ValueError, match=r"optimizer Adam made its variables outside this strategy"):
+        got.fit(x, y, batch_size=16, verbose=0)

@@ -87,6 +87,14 @@ PATCHES = (
     ),
     Patch(
         "keras.src.backend.tensorflow.optimizer:TFOptimizer",
+        "_distribution_strategy",
+        "tfmp.strategy.extended:ModelParallelExtended",
+        "An optimizer made outside the strategy's scope keeps the strategy "
+        "current then, and would make its slots and updates off the mesh.",
+        kind="instance",
+    ),
+    Patch(
+        "keras.src.backend.tensorflow.optimizer:TFOptimizer",
         "_all_reduce_sum_gradients",
         "tfmp.callbacks.gradient_norms:GradientNormRecorder",
         "GradientSyncMonitor(grad_norms=True) records the synchronized gradients.",

@@ -119,7 +119,43 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         of the batches fed next that model's.
         """
         self.apply_auto_layouts(model)
+        self.adopt_training_state(model)
         self.first_step_graphs = first_step_graphs_of(model)
+
+    def adopt_training_state(self, model: Any) -> None:
+        """Brings onto the mesh what `compile` and the optimizer made outside
+        this strategy's scope.
+
+        Keras makes the loss tracker and compiled metrics' variables in
+        `compile`, and the optimizer its step counter and learning rate when
+        it is made: outside the scope, these are host variables, which the
+        mesh's step updates once per device (Adam's step count runs ahead,
+        the training goes wrong). They move to the mesh, replicated, before
+        the model runs. The optimizer also keeps the strategy current when it
+        was made, to make its slots and run its updates under; it is handed
+        this one, which it can take only before it has slots.
+        """
+        optimizer = getattr(model, "optimizer", None)
+        strategy = self._container_strategy()
+        for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            if getattr(part, "_distribution_strategy", strategy) is strategy:
+                continue
+            if part.built:
+                raise ValueError(
+                    f"model {model.name!r}'s optimizer {type(part).__name__} made its "
+                    "variables outside this strategy, so they are not on its mesh. "
+                    "Make the optimizer in `with strategy.scope():`, or give "
+                    "`compile` a new one before the model trains."
+                )
+            part._distribution_strategy = strategy  # noqa: SLF001
+        made_outside = list(optimizer.variables) if optimizer is not None else []
+        made_outside += model.metrics_variables
+        mesh = self.home_mesh.dtensor_mesh
+        for variable in made_outside:
+            if not isinstance(variable.value, MeshVariable):
+                self.move_variable(
+                    variable, dtensor.Layout.replicated(mesh, len(variable.shape)), gathered=()
+                )
 
     @contextlib.contextmanager
     def feeding(self, trains: bool) -> Iterator[None]:
@@ -173,15 +209,15 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         """Gives a Keras variable a new value with `layout`, held by `stage`
         (by default the stage that holds it now) and gathered on use over the
         axes `gathered` (by default those it is gathered over now): for a
-        planned layout, or a pipeline stage's variable made before its stage
-        was known."""
+        planned layout, a pipeline stage's variable made before its stage
+        was known, or a host variable made outside the strategy's scope."""
         value = variable.value
         with dtensor.default_mesh(layout.mesh):
             variable._value = MeshVariable(  # noqa: SLF001
                 to_layout(value.read_value(), layout),
-                path=value.path,
+                path=getattr(value, "path", variable.path),
                 placer=self.placer,
-                stage=value.stage if stage is None else stage,
+                stage=getattr(value, "stage", None) if stage is None else stage,
                 gathered_axes=value.gathered_axes if gathered is None else gathered,
                 name=value.name.split(":")[0],
                 trainable=value.trainable,
