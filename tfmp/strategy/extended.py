@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from typing import Any, Iterator
 
@@ -129,13 +130,19 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         Keras makes the loss tracker and compiled metrics' variables in
         `compile`, and the optimizer its step counter and learning rate when
         it is made: outside the scope, these are host variables, which the
-        mesh's step updates once per device (Adam's step count runs ahead,
-        the training goes wrong). They move to the mesh, replicated, before
-        the model runs. The optimizer also keeps the strategy current when it
-        was made, to make its slots and run its updates under; it is handed
-        this one, which it can take only before it has slots.
+        mesh's step does not update reliably (a 2x4 MLP's losses and weights
+        came out wrong, differing from run to run). They move to the mesh,
+        replicated, before the model runs. The optimizer also keeps the
+        strategy current when it was made, to make its slots and run its
+        updates under; it is handed this one, which it can take only before
+        it has slots. Done once per compiled optimizer and metrics: the
+        `*_on_batch` methods come here every step.
         """
         optimizer = getattr(model, "optimizer", None)
+        compiled = (optimizer, *model.metrics)
+        adopted = model.__dict__.get("_tfmp_adopted", ())
+        if len(adopted) == len(compiled) and all(map(operator.is_, adopted, compiled)):
+            return
         strategy = self._container_strategy()
         for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):
             if getattr(part, "_distribution_strategy", strategy) is strategy:
@@ -156,6 +163,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 self.move_variable(
                     variable, dtensor.Layout.replicated(mesh, len(variable.shape)), gathered=()
                 )
+        object.__setattr__(model, "_tfmp_adopted", compiled)
 
     @contextlib.contextmanager
     def feeding(self, trains: bool) -> Iterator[None]:
