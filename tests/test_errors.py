@@ -32,6 +32,31 @@ def test_mesh_axis_names_must_match_shape():
         tfmp.DeviceMesh((2, 4), ("batch",))
 
 
+@pytest.mark.parametrize(
+    "shape, axis_names, message",
+    [
+        ((2.5, 4), ("batch", "model"), r"size 2\.5 \(float\).*an int"),
+        ((True, 8), ("batch", "model"), r"size True \(bool\)"),
+        (("2", "4"), ("batch", "model"), r"size '2' \(str\)"),
+        (8, ("batch",), r"got the number 8.*shape=\(8,\)"),
+        ("24", ("batch", "model"), r"sequence of axis sizes such as \(2, 4\), got '24'"),
+        ((8,), "bm", r"got the string 'bm' \(read as \('b', 'm'\)\).*axis_names=\('bm',\)"),
+        ((8,), ("",), r"name '': every axis name must be a non-empty string"),
+        ((2, 4), ("batch", 4), r"name 4: every axis name"),
+    ],
+)
+def test_mesh_refuses_what_it_would_have_converted(shape, axis_names, message):
+    with pytest.raises(TypeError, match=message):
+        tfmp.DeviceMesh(shape, axis_names)
+
+
+def test_mesh_refuses_repeated_axis_names_and_missing_devices():
+    with pytest.raises(ValueError, match=r"repeat a name: give each axis its own name"):
+        tfmp.DeviceMesh((2, 4), ("batch", "batch"))
+    with pytest.raises(ValueError, match=r"'/device:CPU:99' does not exist on this machine.*simulate_devices"):
+        tfmp.DeviceMesh((2,), ("batch",), ["cpu:0", "cpu:99"])
+
+
 def test_layout_axis_not_in_mesh():
     layout_map = tfmp.LayoutMap(mesh((2, 4)))
     with pytest.raises(ValueError, match=r"'modle' is not an axis of the mesh.*\['batch', 'model'\]"):

@@ -130,6 +130,11 @@ def _logical_names(device_type: str) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices(device_type)]
 
 
+def all_logical_devices() -> list[str]:
+    """The names of every logical device TensorFlow has, of every type."""
+    return [device.name for device in tf.config.list_logical_devices()]
+
+
 def list_devices(device_type: str | None = None) -> list[str]:
     """Returns the logical devices of a type, or of the preferred type.
 

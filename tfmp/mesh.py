@@ -40,15 +40,18 @@ class DeviceMesh:
         axis_names: Sequence[str],
         devices: Sequence[Any] | None = None,
     ):
-        shape = tuple(int(size) for size in shape)
-        axis_names = tuple(str(name) for name in axis_names)
+        shape = _checked_shape(shape)
+        axis_names = _checked_axis_names(axis_names)
         if len(shape) != len(axis_names):
             raise ValueError(
                 f"DeviceMesh shape {shape} has {len(shape)} axes but axis_names "
                 f"{axis_names} has {len(axis_names)}: give one name per axis."
             )
         if len(set(axis_names)) != len(axis_names):
-            raise ValueError(f"DeviceMesh axis_names {axis_names} repeat a name.")
+            raise ValueError(
+                f"DeviceMesh axis_names {axis_names} repeat a name: give each axis "
+                "its own name, such as ('batch', 'model')."
+            )
         if any(size < 1 for size in shape):
             raise ValueError(f"DeviceMesh shape {shape} has an axis of size < 1.")
         needed = math.prod(shape)
@@ -70,6 +73,7 @@ class DeviceMesh:
             )
         if len(set(devices)) != len(devices):
             raise ValueError(f"DeviceMesh devices {devices} repeat a device.")
+        _check_devices_exist(devices)
         self._shape = shape
         self._axis_names = axis_names
         self._devices = np.array(devices, dtype=object).reshape(shape)
@@ -182,6 +186,73 @@ def _multi_client_mesh(
         local_ids,
         [devices[i] for i in local_ids],
     )
+
+
+def _checked_shape(shape: Any) -> tuple[int, ...]:
+    """The mesh shape as ints; a lone number, floats, bools or strings are
+    refused rather than rounded or parsed."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        raise TypeError(
+            f"DeviceMesh shape must be a sequence of axis sizes, got the number {shape!r}: "
+            f"for a 1-D mesh of {shape} devices write shape=({shape},)."
+        )
+    if not _is_sequence(shape):
+        raise TypeError(
+            f"DeviceMesh shape must be a sequence of axis sizes such as (2, 4), got {shape!r}."
+        )
+    for size in shape:
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            raise TypeError(
+                f"DeviceMesh shape {tuple(shape)!r} has the size {size!r} "
+                f"({type(size).__name__}): every axis size must be a whole number of "
+                "devices (an int), such as (2, 4)."
+            )
+    return tuple(int(size) for size in shape)
+
+
+def _checked_axis_names(axis_names: Any) -> tuple[str, ...]:
+    """The axis names; a single string (which would split into letters) and
+    names that are not non-empty strings are refused."""
+    if isinstance(axis_names, str):
+        raise TypeError(
+            f"DeviceMesh axis_names must be a sequence of names, got the string "
+            f"{axis_names!r} (read as {tuple(axis_names)!r}): write "
+            f"axis_names=({axis_names!r},) for one axis, or ('batch', 'model') for two."
+        )
+    if not _is_sequence(axis_names):
+        raise TypeError(
+            f"DeviceMesh axis_names must be a sequence of names such as ('batch', 'model'), "
+            f"got {axis_names!r}."
+        )
+    for name in axis_names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"DeviceMesh axis_names {tuple(axis_names)!r} has the name {name!r}: "
+                "every axis name must be a non-empty string such as 'batch'."
+            )
+    return tuple(axis_names)
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (str, bytes))
+
+
+def _check_devices_exist(devices: list[str]) -> None:
+    """Refuses a device of this client that TensorFlow does not have; devices
+    named with a job or task belong to a cluster and are checked when the
+    clients connect."""
+    local = {
+        tf.DeviceSpec.from_string(name).replace(job=None, replica=None, task=None).to_string()
+        for name in devices_lib.all_logical_devices()
+    }
+    for device in devices:
+        spec = tf.DeviceSpec.from_string(device)
+        if spec.job is None and spec.task is None and device not in local:
+            raise ValueError(
+                f"DeviceMesh device {device!r} does not exist on this machine, which has "
+                f"{', '.join(sorted(local)) or 'no devices'}. Use existing devices, or "
+                "split the host with tfmp.simulate_devices(n) before TensorFlow starts."
+            )
 
 
 def _device_name(device: Any) -> str:
