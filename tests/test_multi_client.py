@@ -54,8 +54,9 @@ def test_two_clients_train_like_one_process(tmp_path, input_mode):
     saved = np.load(tmp_path / "weights.npz")
     for i, weight in enumerate(model.get_weights()):
         same(saved[f"arr_{i}"], weight)
-    # One file, written by client 0 from the values both clients gathered.
-    assert sorted(os.listdir(tmp_path)) == ["model.keras", "result.json", "weights.npz"]
+    # One file and its checksum, written whole by client 0 from the values
+    # both clients gathered.
+    assert sorted(os.listdir(tmp_path)) == ["model.keras", "model.keras.sha256", "result.json", "weights.npz"]
     import keras
 
     loaded = keras.models.load_model(tmp_path / "model.keras")

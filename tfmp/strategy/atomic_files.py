@@ -55,7 +55,6 @@ def replacing(path: str) -> Iterator[str]:
     """
     path = os.path.abspath(path)
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
     _remove_partials_of(directory, name)
     _remove_partials_of(directory, name + CHECKSUM_SUFFIX)
     partial = _partial_path(directory, name)

@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from typing import Any, Callable
 
-import numpy as np
+from keras.src.utils import io_utils
 
 from tfmp import distributed
 from tfmp.strategy import atomic_files
@@ -41,7 +41,7 @@ def chief_writes(save: Callable) -> Callable:
 
     Paths Keras does not write as one local file (`zipped=False`
     directories, sharded weights, remote or Hugging Face paths, file
-    objects) go to Keras as given.
+    objects) go to Keras as given, as do paths into a missing directory.
     """
     signature = inspect.signature(save)
 
@@ -56,8 +56,6 @@ def chief_writes(save: Callable) -> Callable:
             return save(self, filepath, *args, **kwargs)
         path = os.fspath(filepath)
         if not bound.arguments.get("overwrite", True) and os.path.exists(path):
-            from keras.src.utils import io_utils
-
             if not io_utils.ask_to_proceed_with_overwrite(path):
                 return None
         bound.arguments["overwrite"] = True
@@ -75,7 +73,8 @@ def _is_one_local_file(arguments: dict[str, Any]) -> bool:
     path = os.fspath(filepath)
     if "://" in path or arguments.get("zipped") is False or arguments.get("max_shard_size") is not None:
         return False
-    return path.endswith(_ONE_FILE_ENDINGS)
+    # Into a directory that is missing, Keras' own error names the path.
+    return path.endswith(_ONE_FILE_ENDINGS) and os.path.isdir(os.path.dirname(os.path.abspath(path)))
 
 
 def verified_load_weights(load_weights: Callable) -> Callable:
@@ -86,7 +85,7 @@ def verified_load_weights(load_weights: Callable) -> Callable:
         if isinstance(filepath, (str, os.PathLike)):
             _check_whole(os.fspath(filepath))
         variables = _loadable_variables(self)
-        before = [np.array(variable) for variable in variables]
+        before = [variable.numpy() for variable in variables]
         try:
             return load_weights(self, filepath, *args, **kwargs)
         except BaseException:
