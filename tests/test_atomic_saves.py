@@ -232,10 +232,10 @@ def test_a_failed_load_leaves_the_model_and_its_optimizer_as_they_were(model, tm
         [keras.Input((16,)), keras.layers.Dense(32, name="up"), keras.layers.Dense(32, name="extra"), keras.layers.Dense(8, name="down")]
     )
     extra.save_weights(path)
-    before = [np.array(v) for v in model.weights + model.optimizer.variables]
+    before = [v.numpy() for v in model.weights + model.optimizer.variables]
     with pytest.raises(ValueError, match="could not be loaded"):
         model.load_weights(path)
-    after = [np.array(v) for v in model.weights + model.optimizer.variables]
+    after = [v.numpy() for v in model.weights + model.optimizer.variables]
     for want, got in zip(before, after):
         np.testing.assert_array_equal(got, want)
     # Keras' own load overwrites `up` before it fails: the case is a real one.
