@@ -54,8 +54,16 @@ def test_two_clients_train_like_one_process(tmp_path, input_mode):
     saved = np.load(tmp_path / "weights.npz")
     for i, weight in enumerate(model.get_weights()):
         same(saved[f"arr_{i}"], weight)
-    # One file, written by client 0 from the values both clients gathered.
-    assert sorted(os.listdir(tmp_path)) == ["model.keras", "result.json", "weights.npz"]
+    # One file and its checksum, and one committed backup, written whole by
+    # client 0 from the values both clients gathered.
+    assert sorted(os.listdir(tmp_path)) == ["backup", "model.keras", "model.keras.sha256", "result.json", "weights.npz"]
+    assert sorted(os.listdir(tmp_path / "backup" / "ckpt-1")) == [
+        "commit", "latest.weights.h5", "latest.weights.h5.sha256", "training_metadata.json",
+    ]
+    restored = build_on(None, "mlp", initial_weights(build_mlp))
+    restored.load_weights(tmp_path / "backup" / "ckpt-1" / "latest.weights.h5")
+    for want, got_weight in zip(model.get_weights(), restored.get_weights()):
+        same(got_weight, want)
     import keras
 
     loaded = keras.models.load_model(tmp_path / "model.keras")

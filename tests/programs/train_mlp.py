@@ -1,8 +1,8 @@
 """A tfmp program the multi-client tests run as several clients.
 
 Usage: train_mlp.py OUT_DIR [per_client]. Trains the test MLP on a 2x4 mesh
-spanning every client, saves the model, and (client 0) writes the losses and
-weights. With `per_client`, each client's dataset holds only its own rows of
+spanning every client, saves the model and a BackupAndRestore backup, and
+(client 0) writes the losses and weights. With `per_client`, each client's dataset holds only its own rows of
 every batch (`strategy.distribute_datasets_from_function`), on a 4x2 mesh whose
 device order interleaves the clients along the batch axis (client 0 holds
 batch positions 0 and 2).
@@ -16,6 +16,7 @@ import tfmp
 
 cluster = tfmp.initialize(timeout_s=60)
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,6 +54,9 @@ else:
     losses, history = train(model, x, y, batch_size=BATCH)
 weights = model.get_weights()
 model.save(os.path.join(out, "model.keras"))
+backup = keras.callbacks.BackupAndRestore(os.path.join(out, "backup"))
+backup.set_model(model)
+backup.on_epoch_end(0)
 local = [str(d) for d in device_mesh.dtensor_mesh.local_devices()]
 print(f"client {cluster.client_id} of {cluster.num_clients}: local devices {local}")
 if cluster.is_chief:

@@ -7,6 +7,7 @@ MODULE = "keras"
 TESTED = ("3.12", "3.15")
 
 _HOOKS = "tfmp.strategy.keras_hooks"
+_SAVING = "tfmp.strategy.saving"
 _TRAINER = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer"
 
 PATCHES = (
@@ -63,11 +64,43 @@ PATCHES = (
         Patch(
             "keras.src.models.model:Model",
             name,
-            f"{_HOOKS}:chief_writes",
-            "In a multi-client run every client gathers the values, one writes.",
+            f"{_SAVING}:chief_writes",
+            "Keras truncates the target first, so a kill mid-save destroys the "
+            "previous file; in a multi-client run every client gathers the "
+            "values and one writes.",
+            parameters=("filepath", "overwrite", option),
+        )
+        for name, option in (("save", "zipped"), ("save_weights", "max_shard_size"))
+    ),
+    Patch(
+        "keras.src.models.model:Model",
+        "load_weights",
+        f"{_SAVING}:verified_load_weights",
+        "A damaged file loads silently, and a load that fails partway leaves "
+        "the layers before the failure overwritten.",
+        parameters=("filepath",),
+    ),
+    *(
+        Patch(
+            module,
+            "load_model",
+            f"{_SAVING}:verified_load_model",
+            "A damaged file loads silently; a cut-short .keras file is "
+            "reported as 'File not found'.",
             parameters=("filepath",),
         )
-        for name in ("save", "save_weights")
+        for module in ("keras.models", "keras.saving")
+    ),
+    *(
+        Patch(
+            "keras.src.callbacks.backup_and_restore:BackupAndRestore",
+            name,
+            f"tfmp.strategy.backups:{wrapper}",
+            "Keras writes the backup's weights, then its epoch, each over the "
+            "previous one: a kill between them resumes at the wrong epoch, a "
+            "kill inside the weights leaves no backup.",
+        )
+        for name, wrapper in (("_save_model", "versioned_save"), ("_load_model", "newest_complete_load"))
     ),
     Patch(
         "keras.src.backend.tensorflow.core:Variable",

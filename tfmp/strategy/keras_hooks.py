@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
-import tempfile
 import threading
 import weakref
 from typing import Any, Callable, Iterator
@@ -33,7 +31,6 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import dtypes, ops
 
-from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy import errors
 from tfmp.strategy.extended import extended_of
@@ -131,21 +128,6 @@ def explained_errors(model: Any) -> Iterator[None]:
         if placer_for(model) is None or not errors.is_dtensor_error(error):
             raise
         raise errors.explain(error, model) from None
-
-
-def chief_writes(save: Callable) -> Callable:
-    """In a multi-client run every client gathers the values to save (the
-    gathers are collectives), but only client 0 writes the file."""
-
-    @functools.wraps(save)
-    def wrapper(self, filepath, *args, **kwargs):
-        cluster = distributed.cluster()
-        if cluster is None or cluster.is_chief:
-            return save(self, filepath, *args, **kwargs)
-        with tempfile.TemporaryDirectory() as scratch:
-            return save(self, os.path.join(scratch, os.path.basename(str(filepath))), *args, **kwargs)
-
-    return wrapper
 
 
 def _has_host_array(structure: Any) -> bool:
