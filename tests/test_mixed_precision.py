@@ -11,9 +11,10 @@ float64 run (the exact answer, up to float64 noise) - the mesh must be no
 further from it than one device with the same policy is, within a factor of
 2; for float16 with loss scaling, where an overflowing float16 step is
 skipped and float64 never skips, one device with each batch's rows reversed
-(another float order, same policy) - the mesh must be within 3 times that
-run's distance. The loss scale and the count of skipped steps must be
-exactly one device's. Variables in bfloat16 (Keras' `"bfloat16"` policy)
+(another float order, same policy) - the mesh's weights must be within 3
+times that run's distance, its losses within one float16 rounding (2**-11
+relative) of one device's. The loss scale and the count of skipped steps
+must be exactly one device's. Variables in bfloat16 (Keras' `"bfloat16"` policy)
 get the layouts float32 ones get, from rules, `fully_shard` and `"auto"`.
 """
 
@@ -29,6 +30,7 @@ from helpers import build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map, 
 from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
 
 ROWS, BATCH = 37, 8  # the last batch (5 rows) does not divide the batch axis (2)
+FLOAT16_ROUNDOFF = 2.0**-11  # float16: the largest relative error of one rounding
 
 
 @pytest.fixture
@@ -124,7 +126,9 @@ def test_mixed_float16_with_loss_scaling_matches_one_device_to_rounding(lm_weigh
         "weights": largest_difference(mesh_weights, weights),
     }
     print(f"to one device: rows reversed {yardstick}, mesh {on_mesh}")
-    assert on_mesh["loss"] <= 3 * yardstick["loss"] + 1e-6
+    # Reversed rows reorder the batch's sums only, not those over features
+    # the "model" axis splits: the losses are held to one float16 rounding.
+    np.testing.assert_allclose(mesh_losses, losses, rtol=FLOAT16_ROUNDOFF)
     assert on_mesh["weights"] <= 3 * yardstick["weights"]
 
 
