@@ -248,7 +248,7 @@ def test_resolve_layout_fully_shards_floats_only(mesh_2x4):
 
 def test_fully_sharded_picks_the_largest_whole_dimension_that_divides(mesh_2x4):
     replicated = dtensor.Layout.replicated(mesh_2x4.dtensor_mesh, 3)
-    assert specs_of(fully_sharded(replicated, (3, 8, 4), "batch")) == ["unsharded", "batch", "unsharded"]
-    assert specs_of(fully_sharded(replicated, (3, 5, 7), "batch")) == ["unsharded"] * 3
+    assert specs_of(fully_sharded(replicated, (3, 8, 4), "batch", "float32")) == ["unsharded", "batch", "unsharded"]
+    assert specs_of(fully_sharded(replicated, (3, 5, 7), "batch", "float32")) == ["unsharded"] * 3
     uses_batch = dtensor.Layout(["batch", "unsharded", "unsharded"], mesh_2x4.dtensor_mesh)
-    assert fully_sharded(uses_batch, (4, 8, 4), "batch") == uses_batch
+    assert fully_sharded(uses_batch, (4, 8, 4), "batch", "float32") == uses_batch

@@ -200,8 +200,10 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 continue
             mesh = self.stages.mesh_of(variable.value.stage)
             layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
-            if self.fully_shard_axis is not None and variable.dtype.startswith("float"):
-                layout = fully_sharded(layout, variable.shape, self.fully_shard_axis)
+            if self.fully_shard_axis is not None:
+                layout = fully_sharded(
+                    layout, variable.shape, self.fully_shard_axis, variable.dtype
+                )
             self.move_variable(
                 variable, layout, gathered=gathered_axes(self.placer.batch_axis, rule=match)
             )

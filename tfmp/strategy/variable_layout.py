@@ -91,9 +91,9 @@ def resolve_layout(
         layout = axes_to_layout(rule[1], mesh, shape, path, f"LayoutMap rule {rule[0]!r}")
     else:
         layout = dtensor.Layout.replicated(mesh.dtensor_mesh, len(shape))
-    if fully_shard_axis is None or not tf.as_dtype(dtype).is_floating:
+    if fully_shard_axis is None:
         return layout
-    return fully_sharded(layout, shape, fully_shard_axis)
+    return fully_sharded(layout, shape, fully_shard_axis, dtype)
 
 
 def gathered_axes(
@@ -115,11 +115,18 @@ def gathered_axes(
     return tuple(gathered)
 
 
-def fully_sharded(layout: dtensor.Layout, shape: Sequence[int], axis: str) -> dtensor.Layout:
+def fully_sharded(
+    layout: dtensor.Layout, shape: Sequence[int], axis: str, dtype: Any
+) -> dtensor.Layout:
     """`layout` also split over `axis` on the largest dimension that is whole
-    and divides by it; `layout` itself when it uses `axis` or none fits."""
+    and divides by it; `layout` itself when it uses `axis`, none fits, or
+    `dtype` is not floating point (a step counter, an integer table).
+
+    The one place that decides which variables `fully_shard=True` splits:
+    every floating dtype, `bfloat16` and `float16` (a `"bfloat16"` policy's
+    weights) as well as `float32` (a mixed policy's)."""
     specs = list(layout.sharding_specs)
-    if axis in specs or axis not in layout.mesh.dim_names:
+    if not tf.as_dtype(dtype).is_floating or axis in specs or axis not in layout.mesh.dim_names:
         return layout
     parts = layout.mesh.dim_size(axis)
     candidates = [

@@ -1,0 +1,175 @@
+"""Mixed precision under the strategy: Keras' `mixed_bfloat16` and
+`mixed_float16` (with the `LossScaleOptimizer` Keras adds at `compile`) on a
+2x4 mesh, against one device with the same policy.
+
+Tolerances. bfloat16 keeps 8 bits of mantissa: every product and sum of the
+step rounds at 2**-8 (0.4%) relative, and the mesh sums in another order
+than one device (shards, then an all-reduce), so its bf16 numbers move at
+that scale, and Adam carries the moves on. Such numbers are held to a
+yardstick measured in the test, not to 1e-5: for bfloat16 the one-device
+float64 run (the exact answer, up to float64 noise) - the mesh must be no
+further from it than one device with the same policy is, within a factor of
+2; for float16 with loss scaling, where an overflowing float16 step is
+skipped and float64 never skips, one device with each batch's rows reversed
+(another float order, same policy) - the mesh's weights must be within 3
+times that run's distance, its losses within one float16 rounding (2**-11
+relative) of one device's. The loss scale and the count of skipped steps
+must be exactly one device's. Variables in bfloat16 (Keras' `"bfloat16"` policy)
+get the layouts float32 ones get, from rules, `fully_shard` and `"auto"`.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from helpers import build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map, train
+from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
+
+ROWS, BATCH = 37, 8  # the last batch (5 rows) does not divide the batch axis (2)
+FLOAT16_ROUNDOFF = 2.0**-11  # float16: the largest relative error of one rounding
+
+
+@pytest.fixture
+def dtype_policy():
+    """Sets the global dtype policy; float32 again afterwards."""
+    yield keras.config.set_dtype_policy
+    keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture(scope="module")
+def lm_weights():
+    return initial_weights(build_transformer_lm)
+
+
+def fit_lm(weights, policy, strategy=None, reverse_rows=False):
+    """The demo decoder trained one epoch of Adam under `policy`: its batch
+    losses, its weights in float64, and the model."""
+    keras.config.set_dtype_policy(policy)
+    try:
+        with (strategy or tf.distribute.get_strategy()).scope():
+            model = build_transformer_lm()
+            model.set_weights(weights)
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+    finally:
+        keras.config.set_dtype_policy("float32")
+    x, y = next_token_data(ROWS, 8, 64, seed=1)
+    if reverse_rows:
+        order = np.concatenate(
+            [np.arange(start, min(start + BATCH, ROWS))[::-1] for start in range(0, ROWS, BATCH)]
+        )
+        x, y = x[order], y[order]
+    losses, _ = train(model, x, y, batch_size=BATCH)
+    return np.array(losses), [np.asarray(w, "float64") for w in model.get_weights()], model
+
+
+def largest_difference(a, b):
+    return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b, strict=True))
+
+
+def megatron_strategy():
+    device_mesh = mesh((2, 4))
+    return tfmp.ModelParallelStrategy(device_mesh, megatron_layout_map(device_mesh))
+
+
+def test_mixed_bfloat16_decoder_is_as_close_to_float64_as_one_device(lm_weights):
+    """The mesh's bf16 run differs from one device's bf16 run by rounding
+    order only: both are as far from the exact (float64) training."""
+    exact_losses, exact_weights, _ = fit_lm(lm_weights, "float64")
+    losses, weights, _ = fit_lm(lm_weights, "mixed_bfloat16")
+    mesh_losses, mesh_weights, model = fit_lm(lm_weights, "mixed_bfloat16", megatron_strategy())
+
+    assert model.dtype_policy.name == "mixed_bfloat16"
+    assert model.get_layer("ffn_in").compute_dtype == "bfloat16"
+    assert model.get_layer("ffn_in").kernel.dtype == "float32"
+    assert list(model.get_layer("ffn_in").kernel.value.layout.sharding_specs) == ["unsharded", "model"]
+    one_device = {
+        "loss": float(np.max(np.abs(losses - exact_losses))),
+        "weights": largest_difference(weights, exact_weights),
+    }
+    on_mesh = {
+        "loss": float(np.max(np.abs(mesh_losses - exact_losses))),
+        "weights": largest_difference(mesh_weights, exact_weights),
+    }
+    print(f"to float64: one device {one_device}, mesh {on_mesh}; mesh to one device: "
+          f"loss {np.max(np.abs(mesh_losses - losses)):.1e}, "
+          f"weights {largest_difference(mesh_weights, weights):.1e}")
+    assert one_device["weights"] > 1e-3  # bf16 rounding is what is measured
+    assert on_mesh["loss"] <= 2 * one_device["loss"]
+    assert on_mesh["weights"] <= 2 * one_device["weights"]
+
+
+def test_mixed_float16_with_loss_scaling_matches_one_device_to_rounding(lm_weights):
+    """Keras wraps the optimizer in a `LossScaleOptimizer`; the mesh skips
+    the same overflowing steps and ends with the same loss scale."""
+    losses, weights, reference = fit_lm(lm_weights, "mixed_float16")
+    reversed_losses, reversed_weights, _ = fit_lm(lm_weights, "mixed_float16", reverse_rows=True)
+    mesh_losses, mesh_weights, model = fit_lm(lm_weights, "mixed_float16", megatron_strategy())
+
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.get_layer("ffn_in").compute_dtype == "float16"
+    assert float(model.optimizer.dynamic_scale) == float(reference.optimizer.dynamic_scale)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
+    assert int(reference.optimizer.iterations) < len(losses)  # some steps were skipped
+    yardstick = {
+        "loss": float(np.max(np.abs(reversed_losses - losses))),
+        "weights": largest_difference(reversed_weights, weights),
+    }
+    on_mesh = {
+        "loss": float(np.max(np.abs(mesh_losses - losses))),
+        "weights": largest_difference(mesh_weights, weights),
+    }
+    print(f"to one device: rows reversed {yardstick}, mesh {on_mesh}")
+    # Reversed rows reorder the batch's sums only, not those over features
+    # the "model" axis splits: the losses are held to one float16 rounding.
+    np.testing.assert_allclose(mesh_losses, losses, rtol=FLOAT16_ROUNDOFF)
+    assert on_mesh["weights"] <= 3 * yardstick["weights"]
+
+
+def mlp_layouts(policy, layout_map, fully_shard):
+    """The dtypes of the MLP's weights, and the storage layout of every
+    variable (weights, then Adam's); `"auto"` plans at the first `fit`, run
+    on a batch that does not divide the batch axis."""
+    device_mesh = mesh((2, 4))
+    if layout_map == "rules":
+        layout_map = mlp_layout_map(device_mesh)
+    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map, fully_shard=fully_shard)
+    keras.config.set_dtype_policy(policy)
+    with strategy.scope():
+        model = build_mlp()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    if layout_map == "auto":
+        x, y = mlp_data(5)
+        losses, _ = train(model, x, y, batch_size=5)
+        assert np.all(np.isfinite(losses))
+    else:
+        with strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+    variables = model.weights + model.optimizer.variables
+    return (
+        [v.dtype for v in model.weights],
+        [tuple(v.value.layout.sharding_specs) for v in variables],
+    )
+
+
+@pytest.mark.parametrize(
+    "layout_map, fully_shard",
+    [("rules", True), ("auto", True), ("auto", False)],
+    ids=["rules-fully-sharded", "auto-fully-sharded", "auto"],
+)
+def test_bfloat16_variables_get_the_layouts_of_float32_ones(dtype_policy, layout_map, fully_shard):
+    float32_dtypes, float32_layouts = mlp_layouts("float32", layout_map, fully_shard)
+    dtypes, layouts = mlp_layouts("bfloat16", layout_map, fully_shard)
+
+    assert set(float32_dtypes) == {"float32"} and set(dtypes) == {"bfloat16"}
+    assert layouts == float32_layouts
+    up_kernel = layouts[0]
+    assert "model" in up_kernel
+    if fully_shard:
+        assert "batch" in up_kernel
