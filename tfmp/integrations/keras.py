@@ -70,6 +70,13 @@ PATCHES = (
         for name in ("save", "save_weights")
     ),
     Patch(
+        _TRAINER,
+        "__init__",
+        "tfmp.strategy.extended:made_in_scope",
+        "With layout_map='auto', a custom training loop's models are laid out "
+        "at the first strategy.run; the strategy learns which models it holds.",
+    ),
+    Patch(
         "keras.src.backend.tensorflow.core:Variable",
         "_initialize",
         f"{_HOOKS}:announced",
