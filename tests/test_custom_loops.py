@@ -13,7 +13,6 @@ divides by no batch axis here. The replica count and the reductions are
 compared with MirroredStrategy itself (docs/custom-loops.md).
 """
 
-import os
 import warnings
 
 import keras
@@ -23,7 +22,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import SEED, build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map
+from helpers import build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map
 
 GLOBAL_BATCH_SIZE = 8
 WEIGHTS = initial_weights(build_mlp)
@@ -196,3 +195,118 @@ def test_subclassed_model_built_in_the_step_trains_as_one_device():
     for w, reference in zip(weights, want_weights, strict=True):
         np.testing.assert_allclose(w, reference, rtol=1e-5, atol=1e-5)
     assert sharding == [dtensor.UNSHARDED, "model"]
+
+
+def reductions_probe(strategy) -> list[dict]:
+    """Runs one step per batch of 13 rows in batches of 8 (8 and 5 rows) and
+    reads its outputs back the ways the tutorial shows."""
+    x = np.arange(13 * 3, dtype="float32").reshape(13, 3)
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(GLOBAL_BATCH_SIZE)
+
+    def step(batch):
+        per_example = tf.reduce_sum(batch, axis=1)
+        loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH_SIZE)
+        summed = tf.distribute.get_replica_context().all_reduce("SUM", loss)
+        return batch * 2.0, loss, summed, tf.nn.compute_average_loss(per_example)
+
+    @tf.function
+    def distributed_step(batch):
+        outputs, loss, summed, average = strategy.run(step, args=(batch,))
+        return (
+            outputs,
+            strategy.reduce("SUM", loss, axis=None),
+            strategy.reduce("MEAN", summed, axis=None),
+            strategy.reduce("SUM", average, axis=None),
+            strategy.reduce("MEAN", outputs, axis=0),
+            strategy.reduce("SUM", outputs, axis=0),
+        )
+
+    results = []
+    for batch in strategy.experimental_distribute_dataset(dataset):
+        outputs, loss, summed, average, mean_rows, sum_rows = distributed_step(batch)
+        local = [np.asarray(value) for value in strategy.experimental_local_results(outputs)]
+        inputs = [np.asarray(value) for value in strategy.experimental_local_results(batch)]
+        result = {
+            "local_rows": [len(value) for value in local],
+            "local": np.concatenate(local).tolist(),
+            "inputs": np.concatenate(inputs).tolist(),
+            "loss": float(loss),
+            "all_reduced": float(summed),
+            "mean_rows": np.asarray(mean_rows).tolist(),
+            "sum_rows": np.asarray(sum_rows).tolist(),
+        }
+        if len(local[0]) == len(local[-1]):  # equal parts add up element by element
+            # Without a global batch size, MirroredStrategy's replicas count
+            # their own rows times the replicas: exact for equal parts only.
+            result["average"] = float(average)
+            result["sum_of_parts"] = np.asarray(strategy.reduce("SUM", outputs, axis=None)).tolist()
+        results.append(result)
+    return results
+
+
+def test_reductions_and_local_results_are_mirrored_strategys():
+    # Reducing through one device: MirroredStrategy's collective ops and
+    # DTensor's share group keys, and would clash in one process.
+    mirrored = tf.distribute.MirroredStrategy(
+        ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    want = reductions_probe(mirrored)
+    got = reductions_probe(tfmp.ModelParallelStrategy(mesh((2, 4))))
+    assert [result["local_rows"] for result in got] == [[4, 4], [3, 2]]
+    assert got == want
+
+
+def test_a_distributed_dataset_in_a_tf_function_epoch_is_a_named_error():
+    strategy = tfmp.ModelParallelStrategy(mesh((8, 1)))
+    dist_dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(DATA).batch(GLOBAL_BATCH_SIZE)
+    )
+
+    @tf.function
+    def distributed_train_epoch(dataset):
+        total = 0.0
+        for features, _ in dataset:
+            total += strategy.reduce("SUM", strategy.run(tf.reduce_sum, args=(features,)), axis=None)
+        return total
+
+    with pytest.raises(TypeError, match=r"cannot be iterated inside a tf.function.*Iterate it eagerly"):
+        distributed_train_epoch(dist_dataset)
+
+
+def test_auto_layout_of_a_model_not_built_before_the_first_step_is_a_named_error():
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)), layout_map="auto")
+    with strategy.scope():
+        model = TwoLayers()
+    with pytest.raises(ValueError, match=r"model 'mlp' at the first strategy.run.*must be built"):
+        strategy.run(lambda x: model(x), args=(tf.zeros((8, 16)),))
+
+
+def test_unmatched_rules_are_checked_at_the_first_step_not_when_data_is_distributed():
+    device_mesh = mesh((2, 4))
+    layout_map = mlp_layout_map(device_mesh)
+    layout_map["renamed_layer/kernel"] = (None, "model")
+    strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist_dataset = strategy.experimental_distribute_dataset(  # before the model, as the tutorial
+            tf.data.Dataset.from_tensor_slices(DATA).batch(GLOBAL_BATCH_SIZE)
+        )
+        assert not caught
+        with strategy.scope():
+            model = build_mlp()
+        step = tf.function(lambda features: strategy.run(model, args=(features,)))
+        for features, _ in dist_dataset:
+            step(features)
+    unmatched = [w for w in caught if "matched no variable" in str(w.message)]
+    assert len(unmatched) == 1 and "['renamed_layer/kernel']" in str(unmatched[0].message)
+
+
+def test_an_elementwise_reduce_of_parts_of_unequal_rows_is_a_named_error():
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)))
+    (batch,) = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(DATA[0][:5]).batch(GLOBAL_BATCH_SIZE)
+    )
+    outputs = strategy.run(tf.identity, args=(batch,))
+    with pytest.raises(ValueError, match=r"5 rows.*2 replicas.*Pass axis=0"):
+        strategy.reduce("SUM", outputs, axis=None)
+    np.testing.assert_allclose(strategy.reduce("SUM", outputs, axis=0), DATA[0][:5].sum(0), rtol=1e-6)

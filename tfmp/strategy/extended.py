@@ -20,7 +20,7 @@ from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, replicated
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
-from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_layout
+from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_host, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
 from tfmp.strategy.stage_hooks import StageHooks
 from tfmp.strategy.variable import MeshVariable
@@ -349,7 +349,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         replicas = self.placer.batch_parts
         rows = int(value.shape[0])
         sizes = [rows // replicas + (i < rows % replicas) for i in range(replicas)]
-        return tf.split(value, sizes, axis=0)
+        return tf.split(_off_mesh_if_eager(value), sizes, axis=0)
 
     def apply_custom_loop_auto_layouts(self) -> None:
         """With `layout_map="auto"`, at a custom loop's first `strategy.run`
@@ -418,7 +418,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 "Pass axis=0 to reduce over every example, or use a batch size "
                 f"that divides by {replicas}."
             )
-        blocks = tf.reshape(value, [replicas, -1, *value.shape[1:]])
+        blocks = tf.reshape(_off_mesh_if_eager(value), [replicas, -1, *value.shape[1:]])
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             return tf.reduce_mean(blocks, axis=0)
         return tf.reduce_sum(blocks, axis=0)
@@ -510,6 +510,12 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 "that tfmp.summary(model) lists (a renamed layer changes its path).",
                 stacklevel=3,
             )
+
+
+def _off_mesh_if_eager(value: tf.Tensor) -> tf.Tensor:
+    """`value` whole on the host, where eager ops may cut it up (eager DTensor
+    refuses the host constants they take); a DTensor in a function."""
+    return to_host(value) if tf.executing_eagerly() else value
 
 
 def _gradient_for(var: Any, gradient: Any) -> Any:
