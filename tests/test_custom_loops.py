@@ -303,9 +303,10 @@ def test_unmatched_rules_are_checked_at_the_first_step_not_when_data_is_distribu
 
 def test_an_elementwise_reduce_of_parts_of_unequal_rows_is_a_named_error():
     strategy = tfmp.ModelParallelStrategy(mesh((2, 4)))
-    (batch,) = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices(DATA[0][:5]).batch(GLOBAL_BATCH_SIZE)
-    )
+    dataset = tf.data.Dataset.from_tensor_slices(DATA[0][:5]).batch(GLOBAL_BATCH_SIZE)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    assert dist_dataset.element_spec == iter(dist_dataset).element_spec == dataset.element_spec
+    (batch,) = dist_dataset
     outputs = strategy.run(tf.identity, args=(batch,))
     with pytest.raises(ValueError, match=r"5 rows.*2 replicas.*Pass axis=0"):
         strategy.reduce("SUM", outputs, axis=None)

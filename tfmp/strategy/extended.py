@@ -116,14 +116,14 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             )
             return to_layout(value, layout)
 
+        self._made_variables = True
+        if colocate_with is not None:
+            self._with_slots.add(colocate_with.ref())
         # Made in a trace (an optimizer's slots at its first `apply_gradients`
         # inside a tf.function, a model built by its first call in the step):
         # lifted out of it, as TensorFlow lifts a variable's initializer, since
         # DTensor lays out values only eagerly (`DVariable` would run
         # `initial_value_on_mesh` in the graph).
-        self._made_variables = True
-        if colocate_with is not None:
-            self._with_slots.add(colocate_with.ref())
         with tf.init_scope(), dtensor.default_mesh(mesh.dtensor_mesh):
             return MeshVariable(
                 initial_value_on_mesh,
