@@ -22,7 +22,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map
+from helpers import assert_weights_close, build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map
 
 GLOBAL_BATCH_SIZE = 8
 WEIGHTS = initial_weights(build_mlp)
@@ -32,8 +32,8 @@ DATA = mlp_data(37)
 def tutorial_program(strategy, checkpoint_dir, build=build_mlp, epochs=2):
     """The tutorial's program: trains `epochs` epochs, saving a checkpoint
     after the first, then restores it into a new model and optimizer and
-    trains one more epoch. Returns per-epoch losses, the metric and the
-    final weights."""
+    trains one more epoch. Returns per-epoch losses, the metric, the final
+    weights and the up kernel's sharding (None off the mesh)."""
     BATCH_SIZE_PER_REPLICA = GLOBAL_BATCH_SIZE // strategy.num_replicas_in_sync
     GLOBAL = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
     dataset = tf.data.Dataset.from_tensor_slices(DATA).batch(GLOBAL)
@@ -87,7 +87,8 @@ def tutorial_program(strategy, checkpoint_dir, build=build_mlp, epochs=2):
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
     checkpoint.restore(manager.latest_checkpoint).assert_consumed()
     losses += [train_epoch() for _ in range(epochs - 1)]
-    return losses, float(mae.result()), [np.asarray(w) for w in model.get_weights()]
+    layout = getattr(model.get_layer("up").kernel.value, "layout", None)
+    return losses, float(mae.result()), model.get_weights(), layout and layout.sharding_specs
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +97,10 @@ def one_device(tmp_path_factory):
 
 
 def assert_same_training(got, want):
-    losses, metric, weights = got
+    losses, metric, weights, _ = got
     np.testing.assert_allclose(losses, want[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(metric, want[1], rtol=1e-5)
-    for w, reference in zip(weights, want[2], strict=True):
-        np.testing.assert_allclose(w, reference, rtol=1e-5, atol=1e-5)
+    assert_weights_close(want[2], weights)
 
 
 def test_num_replicas_in_sync_counts_the_batch_axis_as_mirrored_strategy_does():
@@ -124,16 +124,12 @@ def test_num_replicas_in_sync_counts_the_batch_axis_as_mirrored_strategy_does():
 )
 def test_tutorial_program_trains_as_one_device(shape, layout_map, one_device, tmp_path):
     device_mesh = mesh(shape)
-    strategy = tfmp.ModelParallelStrategy(
-        device_mesh, layout_map if isinstance(layout_map, str) or layout_map is None else layout_map(device_mesh)
-    )
-    got = tutorial_program(strategy, str(tmp_path))
+    if callable(layout_map):
+        layout_map = layout_map(device_mesh)
+    got = tutorial_program(tfmp.ModelParallelStrategy(device_mesh, layout_map), str(tmp_path))
     assert_same_training(got, one_device)
-    if shape == (2, 4):  # the planned or ruled layout, not silently replicated
-        with strategy.scope():
-            model = build_mlp()
-        strategy.run(lambda: model(tf.zeros((8, 16))))
-        assert model.get_layer("up").kernel.value.layout.sharding_specs == [dtensor.UNSHARDED, "model"]
+    # The restored model trained with the ruled or planned layout, not replicated.
+    assert got[3] == [dtensor.UNSHARDED, "model" if shape == (2, 4) else dtensor.UNSHARDED]
 
 
 class TwoLayers(keras.Model):
@@ -192,8 +188,7 @@ def test_subclassed_model_built_in_the_step_trains_as_one_device():
     losses, weights, sharding = lazy_program(strategy)
     want_losses, want_weights, _ = lazy_program(tf.distribute.get_strategy())
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
-    for w, reference in zip(weights, want_weights, strict=True):
-        np.testing.assert_allclose(w, reference, rtol=1e-5, atol=1e-5)
+    assert_weights_close(want_weights, weights)
     assert sharding == [dtensor.UNSHARDED, "model"]
 
 
