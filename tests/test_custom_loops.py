@@ -202,23 +202,25 @@ def reductions_probe(strategy) -> list[dict]:
         per_example = tf.reduce_sum(batch, axis=1)
         loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH_SIZE)
         summed = tf.distribute.get_replica_context().all_reduce("SUM", loss)
-        return batch * 2.0, loss, summed, tf.nn.compute_average_loss(per_example)
+        average = tf.nn.compute_average_loss(per_example)
+        return batch * 2.0, loss, summed, average, tf.reduce_mean(per_example)
 
     @tf.function
     def distributed_step(batch):
-        outputs, loss, summed, average = strategy.run(step, args=(batch,))
+        outputs, loss, summed, average, mean = strategy.run(step, args=(batch,))
         return (
             outputs,
             strategy.reduce("SUM", loss, axis=None),
             strategy.reduce("MEAN", summed, axis=None),
             strategy.reduce("SUM", average, axis=None),
+            strategy.reduce("MEAN", mean, axis=None),
             strategy.reduce("MEAN", outputs, axis=0),
             strategy.reduce("SUM", outputs, axis=0),
         )
 
     results = []
     for batch in strategy.experimental_distribute_dataset(dataset):
-        outputs, loss, summed, average, mean_rows, sum_rows = distributed_step(batch)
+        outputs, loss, summed, average, mean, mean_rows, sum_rows = distributed_step(batch)
         local = [np.asarray(value) for value in strategy.experimental_local_results(outputs)]
         inputs = [np.asarray(value) for value in strategy.experimental_local_results(batch)]
         result = {
@@ -232,8 +234,10 @@ def reductions_probe(strategy) -> list[dict]:
         }
         if len(local[0]) == len(local[-1]):  # equal parts add up element by element
             # Without a global batch size, MirroredStrategy's replicas count
-            # their own rows times the replicas: exact for equal parts only.
+            # their own rows times the replicas, and a mean of replicas' means
+            # weighs each part alike: the global mean for equal parts only.
             result["average"] = float(average)
+            result["mean"] = float(mean)
             result["sum_of_parts"] = np.asarray(strategy.reduce("SUM", outputs, axis=None)).tolist()
         results.append(result)
     return results
