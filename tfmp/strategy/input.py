@@ -206,10 +206,14 @@ class BatchOptional:
     """What `MeshIterator.get_next_as_optional` returns: a batch, or none at
     the end of the dataset, with `tf.experimental.Optional`'s methods.
 
-    Example:
-        >>> optional = iterator.get_next_as_optional()
-        >>> if optional.has_value():
-        ...     loss = distributed_train_step(optional.get_value())
+    Examples:
+        >>> strategy = tfmp.ModelParallelStrategy(mesh)
+        >>> iterator = iter(strategy.experimental_distribute_dataset(
+        ...     tf.data.Dataset.from_tensor_slices(x).batch(48)))
+        >>> [iterator.get_next_as_optional().get_value().shape[0] for _ in range(2)]
+        [48, 16]
+        >>> bool(iterator.get_next_as_optional().has_value())
+        False
     """
 
     def __init__(self, batch: Any):
