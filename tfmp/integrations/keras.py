@@ -103,6 +103,13 @@ PATCHES = (
         for name, wrapper in (("_save_model", "versioned_save"), ("_load_model", "newest_complete_load"))
     ),
     Patch(
+        _TRAINER,
+        "__init__",
+        "tfmp.strategy.extended:made_in_scope",
+        "With layout_map='auto', a custom training loop's models are laid out "
+        "at the first strategy.run; the strategy learns which models it holds.",
+    ),
+    Patch(
         "keras.src.backend.tensorflow.core:Variable",
         "_initialize",
         f"{_HOOKS}:announced",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import warnings
-from typing import Any, Iterator
+import weakref
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
@@ -18,7 +20,7 @@ from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, replicated
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
-from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_layout
+from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_host, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
 from tfmp.strategy.stage_hooks import StageHooks
 from tfmp.strategy.variable import MeshVariable
@@ -65,6 +67,17 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         self.fully_shard_axis = batch_axis if fully_shard else None
         self.first_step_graphs = FirstStepGraphs()
         self._checked_layout_map = False
+        self._made_variables = False
+        # The variables that optimizers have made slots for.
+        self._with_slots: set[Any] = set()
+        # The Keras models made in the strategy's scope (`made_in_scope`).
+        self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # How many Keras fit/evaluate/predict/*_on_batch calls run now: Keras
+        # sees one replica (see `_num_replicas_in_sync`).
+        self._keras_methods = 0
+        # The rows of the batch a step last received: the outputs with as
+        # many rows hold one row per example (see `is_per_example`).
+        self._step_rows = None
 
     # Variables -------------------------------------------------------------
 
@@ -103,7 +116,15 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             )
             return to_layout(value, layout)
 
-        with dtensor.default_mesh(mesh.dtensor_mesh):
+        self._made_variables = True
+        if colocate_with is not None:
+            self._with_slots.add(colocate_with.ref())
+        # Made in a trace (an optimizer's slots at its first `apply_gradients`
+        # inside a tf.function, a model built by its first call in the step):
+        # lifted out of it, as TensorFlow lifts a variable's initializer, since
+        # DTensor lays out values only eagerly (`DVariable` would run
+        # `initial_value_on_mesh` in the graph).
+        with tf.init_scope(), dtensor.default_mesh(mesh.dtensor_mesh):
             return MeshVariable(
                 initial_value_on_mesh,
                 path=path,
@@ -167,13 +188,16 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
 
     @contextlib.contextmanager
     def feeding(self, trains: bool) -> Iterator[None]:
-        """Whether the batches placed in the block feed training steps (fit,
-        `train_on_batch`) or not (evaluate, predict): the stage hooks'
-        batch check is told. Outside any such block batches count as training."""
+        """The block runs one of Keras' own methods: whether its batches
+        feed training steps (fit, `train_on_batch`) or not (evaluate,
+        predict), which the stage hooks' batch check is told, and Keras sees
+        one replica in it. Outside any such block batches count as training."""
         previous, self._batches_train = self._batches_train, trains
+        self._keras_methods += 1
         try:
             yield
         finally:
+            self._keras_methods -= 1
             self._batches_train = previous
 
     def _check_host_batch(self, rows: int) -> None:
@@ -241,7 +265,21 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
 
     @property
     def _num_replicas_in_sync(self) -> int:
-        return 1
+        """As many replicas as the batch axis has devices, as MirroredStrategy
+        on that many devices, so that a custom loop's global batch size is
+        the same; but 1 in the replica context, where the step sees the
+        global batch, and in Keras' own methods, which divide the loss by
+        this number (docs/custom-loops.md)."""
+        if self._keras_methods or self._in_replica_context():
+            return 1
+        return self.placer.batch_parts
+
+    def _in_replica_context(self) -> bool:
+        context = tf.distribute.get_replica_context()
+        return (
+            isinstance(context, GlobalReplicaContext)
+            and context.strategy is self._container_strategy()
+        )
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
@@ -274,13 +312,91 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         distribute_lib._require_cross_replica_or_default_context_extended(self)  # noqa: SLF001
         kwargs = kwargs or {}
+        self.apply_custom_loop_auto_layouts()
         if tf.executing_eagerly():
-            self.warn_unmatched_layout_rules()
             args, kwargs = self.placer.place((args, kwargs))
+        self.note_step_rows((args, kwargs))
         with GlobalReplicaContext(self._container_strategy()):
             outputs = fn(*args, **kwargs)
+        # After the step: a model built by its first call in the step exists now.
+        self.warn_unmatched_layout_rules()
         # Outputs leave the step replicated so that callers can read them.
         return tf.nest.map_structure(self._replicated_output, outputs)
+
+    def note_step_rows(self, batch: Any) -> None:
+        """Remembers the rows of the batch a step receives (its first tensor's
+        leading dimension, if known)."""
+        for value in tf.nest.flatten(batch):
+            if isinstance(value, tf.Tensor) and value.shape.rank:
+                self._step_rows = value.shape[0]
+                return
+
+    def is_per_example(self, value: Any) -> bool:
+        """Whether a step's output holds one row per example of its batch: a
+        per-replica value, whose replicas' parts are its blocks of rows.
+        Any other output (a loss, a metric, a gradient) is already reduced
+        over the global batch. Never in Keras' own methods."""
+        return (
+            not self._keras_methods
+            and self._step_rows is not None
+            and isinstance(value, tf.Tensor)
+            and bool(value.shape.rank)
+            and value.shape[0] == self._step_rows
+        )
+
+    def replica_blocks(self, value: tf.Tensor) -> list[tf.Tensor]:
+        """A per-example output cut into each replica's rows, in replica
+        order; a batch that does not divide gives the first replicas one row
+        more, as `numpy.array_split`."""
+        replicas = self.placer.batch_parts
+        rows = int(value.shape[0])
+        sizes = [rows // replicas + (i < rows % replicas) for i in range(replicas)]
+        return tf.split(_off_mesh_if_eager(value), sizes, axis=0)
+
+    def apply_custom_loop_auto_layouts(self) -> None:
+        """With `layout_map="auto"`, at a custom loop's first `strategy.run`
+        (Keras' own methods lay out their model in `prepare`): plans the
+        models made in the scope that are no part of another, before the
+        step reads their variables (moved out of a trace being made)."""
+        for model in self._unplanned_models():
+            if not model.built or any(v.value.ref() in self._with_slots for v in model.variables):
+                raise ValueError(
+                    f"layout_map='auto' lays out model {model.name!r} at the first "
+                    "strategy.run, so by then the model must be built (give it a "
+                    "keras.Input, or call model.build(input_shape) in the strategy's "
+                    "scope) and no optimizer may have made its variables yet; else "
+                    "the step would train it replicated. Build the model before the "
+                    "loop, or pass a LayoutMap."
+                )
+            with tf.init_scope():
+                self.apply_auto_layouts(model)
+
+    def _unplanned_models(self) -> list[Any]:
+        """With `layout_map="auto"` in a custom loop: the models made in the
+        scope, not yet laid out, that are no part of another such model."""
+        if self.auto_axis is None or self._keras_methods:
+            return []
+        models = [model for model in self.models if not model.__dict__.get("_tfmp_auto_planned")]
+        inner = {
+            id(layer) for model in models for layer in model._flatten_layers(include_self=False)  # noqa: SLF001
+        }
+        return [model for model in models if id(model) not in inner]
+
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Any:
+        """The scope in which an optimizer makes a variable's slots. With
+        `layout_map="auto"`, an optimizer built before a custom loop's first
+        step (to restore a checkpoint into) lays out the built model that
+        holds the variable first, so that the slots take the planned layout."""
+        if tf.executing_eagerly():
+            for model in self._unplanned_models():
+                if not model.built:
+                    continue
+                held = [v for v in model.variables if v.value is colocate_with_variable]
+                if held:
+                    self.apply_auto_layouts(model)
+                    colocate_with_variable = held[0].value
+                    break
+        return super().colocate_vars_with(colocate_with_variable)
 
     def _replicated_output(self, value: Any) -> Any:
         if isinstance(value, tf.Tensor):
@@ -288,16 +404,39 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         return value
 
     def _reduce_to(self, reduce_op, value, destinations, options):
-        del reduce_op, destinations, options  # one global replica: already reduced
-        return value
+        """Per-example outputs reduce over their replicas' blocks of rows, as
+        MirroredStrategy reduces its replicas' values; every other output
+        was computed over the global batch, which is already reduced."""
+        del destinations, options
+        if not self.is_per_example(value):
+            return value
+        replicas = self.placer.batch_parts
+        if int(value.shape[0]) % replicas:
+            raise ValueError(
+                f"strategy.reduce(..., axis=None) of a value with {value.shape[0]} "
+                f"rows, one per example of the step's batch: its {replicas} "
+                "replicas' parts would have different shapes, which cannot be "
+                "added up element by element (MirroredStrategy refuses them too). "
+                "Pass axis=0 to reduce over every example, or use a batch size "
+                f"that divides by {replicas}."
+            )
+        blocks = tf.reshape(_off_mesh_if_eager(value), [replicas, -1, *value.shape[1:]])
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            return tf.reduce_mean(blocks, axis=0)
+        return tf.reduce_sum(blocks, axis=0)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        return [value for value, _ in value_destination_pairs]
+        return [
+            self._reduce_to(reduce_op, value, destinations, options)
+            for value, destinations in value_destination_pairs
+        ]
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         return value
 
     def _local_results(self, value):
+        if self.is_per_example(value):
+            return tuple(self.replica_blocks(value))
         return (value,)
 
     def value_container(self, value):
@@ -312,7 +451,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with
         result = fn(*args, **kwargs)
-        return result if group else tf.nest.map_structure(self._local_results, result)
+        return result if group else tf.nest.map_structure(lambda value: (value,), result)
 
     # Input -----------------------------------------------------------------
 
@@ -320,7 +459,9 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         del options
         self.warn_unmatched_layout_rules()
         _install_host_fed_loops()
-        return MeshDataset(dataset, self.placer, self.first_step_graphs)
+        return MeshDataset(
+            dataset, self.placer, self.first_step_graphs, on_batch=self.note_step_rows
+        )
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         """Each client reads its own part of every batch: `dataset_fn` gets an
@@ -334,7 +475,11 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             num_input_pipelines=pipelines, input_pipeline_id=pipeline_id, num_replicas_in_sync=1
         )
         return ClientMeshDataset(
-            dataset_fn(context), self.placer, self.first_step_graphs, local_rows=pipelines > 1
+            dataset_fn(context),
+            self.placer,
+            self.first_step_graphs,
+            local_rows=pipelines > 1,
+            on_batch=self.note_step_rows,
         )
 
     def _input_pipelines(self) -> tuple[int, int]:
@@ -353,8 +498,10 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         )
 
     def warn_unmatched_layout_rules(self) -> None:
-        """Warns once, at the first step, about LayoutMap rules that matched nothing."""
-        if self._checked_layout_map:
+        """Warns once, at the first step after variables exist, about
+        LayoutMap rules that matched nothing (a dataset distributed before
+        the model is made checks nothing yet)."""
+        if self._checked_layout_map or not self._made_variables:
             return
         self._checked_layout_map = True
         unmatched = self.layout_map.unmatched_keys()
@@ -365,6 +512,12 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 "that tfmp.summary(model) lists (a renamed layer changes its path).",
                 stacklevel=3,
             )
+
+
+def _off_mesh_if_eager(value: tf.Tensor) -> tf.Tensor:
+    """`value` whole on the host, where eager ops may cut it up (eager DTensor
+    refuses the host constants they take); a DTensor in a function."""
+    return to_host(value) if tf.executing_eagerly() else value
 
 
 def _gradient_for(var: Any, gradient: Any) -> Any:
@@ -415,6 +568,20 @@ def _rows_on_every_device(var: MeshVariable, gradient: tf.IndexedSlices) -> tf.I
         dtensor.relayout(gradient.indices, dtensor.Layout.replicated(mesh, 1)),
         gradient.dense_shape,
     )
+
+
+def made_in_scope(initialize: Callable) -> Callable:
+    """Keras' trainer notes the strategy whose scope a model is made in: a
+    tfmp strategy also keeps the model (`apply_custom_loop_auto_layouts`)."""
+
+    @functools.wraps(initialize)
+    def wrapper(self, *args, **kwargs):
+        initialize(self, *args, **kwargs)
+        extended = extended_of(self._distribute_strategy)  # noqa: SLF001
+        if extended is not None:
+            extended.models.add(self)
+
+    return wrapper
 
 
 def extended_of(strategy: Any) -> ModelParallelExtended | None:

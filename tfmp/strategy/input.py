@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -33,6 +33,7 @@ class MeshDataset:
         first_step_graphs: Told of every batch, to keep the first step's graphs.
         local_rows: Whether each batch is only this client's rows of the
             global batch (from `distribute_datasets_from_function`).
+        on_batch: Called with each batch on the mesh as it is handed out.
     """
 
     def __init__(
@@ -41,11 +42,13 @@ class MeshDataset:
         placer: BatchPlacer,
         first_step_graphs: FirstStepGraphs,
         local_rows: bool = False,
+        on_batch: Callable[[Any], None] | None = None,
     ):
         self._dataset = dataset
         self._placer = placer
         self._first_step_graphs = first_step_graphs
         self._local_rows = local_rows
+        self._on_batch = on_batch
 
     @property
     def cardinality(self) -> np.int64:
@@ -57,6 +60,16 @@ class MeshDataset:
         return self._dataset.element_spec
 
     def __iter__(self) -> "MeshIterator":
+        if not tf.executing_eagerly():
+            raise TypeError(
+                "A distributed dataset of tfmp's ModelParallelStrategy is read on "
+                "the host, batch by batch, so it cannot be iterated inside a "
+                "tf.function (`for batch in dist_dataset:` in a compiled epoch). "
+                "Iterate it eagerly and compile the step: `for batch in "
+                "dist_dataset: loss = distributed_train_step(batch)` with "
+                "`@tf.function` on distributed_train_step, as TensorFlow's "
+                "custom training tutorial does."
+            )
         cardinality = int(self._dataset.cardinality())
         # tf_keras iterates inside the strategy's scope, whose default device
         # is the mesh: the host pipeline must stay on the host.
@@ -68,6 +81,8 @@ class MeshDataset:
             cardinality != tf.data.UNKNOWN_CARDINALITY,
             self._first_step_graphs,
             self._local_rows,
+            self._on_batch,
+            self.element_spec,
         )
 
 
@@ -99,8 +114,12 @@ class MeshIterator:
         known_length: bool,
         first_step_graphs: FirstStepGraphs,
         local_rows: bool = False,
+        on_batch: Callable[[Any], None] | None = None,
+        element_spec: Any = None,
     ):
         self._local_rows = local_rows
+        self._on_batch = on_batch
+        self.element_spec = element_spec
         self._host_iterator = host_iterator
         self._placer = placer
         self._known_length = known_length
@@ -166,10 +185,49 @@ class MeshIterator:
         shards, following = ahead
         self._first_step_graphs.on_batch()
         self._ahead = self._submit(following)
-        return pack(shards)
+        batch = pack(shards)
+        if self._on_batch is not None:
+            self._on_batch(batch)
+        return batch
 
     def get_next(self) -> Any:
         return next(self)
+
+    def get_next_as_optional(self) -> "BatchOptional":
+        """The next batch, or none at the end, as `tf.distribute`'s iterators
+        give it (DTensor cannot lay out a `tf.experimental.Optional`)."""
+        try:
+            return BatchOptional(next(self))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            return BatchOptional(None)
+
+
+class BatchOptional:
+    """What `MeshIterator.get_next_as_optional` returns: a batch, or none at
+    the end of the dataset, with `tf.experimental.Optional`'s methods.
+
+    Examples:
+        >>> strategy = tfmp.ModelParallelStrategy(mesh)
+        >>> iterator = iter(strategy.experimental_distribute_dataset(
+        ...     tf.data.Dataset.from_tensor_slices(x).batch(48)))
+        >>> [iterator.get_next_as_optional().get_value().shape[0] for _ in range(2)]
+        [48, 16]
+        >>> bool(iterator.get_next_as_optional().has_value())
+        False
+    """
+
+    def __init__(self, batch: Any):
+        self._batch = batch
+
+    def has_value(self) -> tf.Tensor:
+        return tf.constant(self._batch is not None)
+
+    def get_value(self) -> Any:
+        if self._batch is None:
+            raise tf.errors.InvalidArgumentError(
+                None, None, "The dataset has no more batches: check has_value() first."
+            )
+        return self._batch
 
 
 class OneBatch(collections.namedtuple("OneBatch", ["batch"])):

@@ -25,7 +25,10 @@ class ModelParallelStrategy(tf.distribute.Strategy):
     their variable's layout; each input batch is split over `batch_axis`. The
     training step runs once on the global batch and DTensor's SPMD expansion
     inserts the collectives between devices, so training gives the same
-    numbers as one device.
+    numbers as one device. A custom training loop written for
+    `tf.distribute.MirroredStrategy` runs unchanged: `num_replicas_in_sync`
+    is the batch axis' size outside the step (1 inside it and in Keras'
+    own methods), as docs/custom-loops.md explains.
 
     Args:
         mesh: A `tfmp.DeviceMesh` or `keras.distribution.DeviceMesh`.
