@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import warnings
 from typing import Any, Iterator
 
 import keras
@@ -351,18 +350,10 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         )
 
     def warn_unmatched_layout_rules(self) -> None:
-        """Warns once, at the first step, about LayoutMap rules that matched nothing."""
-        if self._checked_layout_map:
-            return
-        self._checked_layout_map = True
-        unmatched = self.layout_map.unmatched_keys()
-        if unmatched:
-            warnings.warn(
-                f"tfmp: LayoutMap keys {unmatched} matched no variable, so nothing "
-                "they describe is sharded. Check them against the variable paths "
-                "that tfmp.summary(model) lists (a renamed layer changes its path).",
-                stacklevel=3,
-            )
+        """Checks once, at the first step whose model has variables, the
+        LayoutMap rules against them (`LayoutMap.check_matched`)."""
+        if not self._checked_layout_map:
+            self._checked_layout_map = self.layout_map.check_matched()
 
 
 def _gradient_for(var: Any, gradient: Any) -> Any:
