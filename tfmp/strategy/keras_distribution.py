@@ -37,6 +37,8 @@ _strategies: "weakref.WeakKeyDictionary[Any, ModelParallelStrategy]" = weakref.W
 
 def strategy_for(distribution: Any) -> ModelParallelStrategy:
     """The `ModelParallelStrategy` that runs `distribution`, made once."""
+    if not isinstance(distribution, (keras.distribution.DataParallel, keras.distribution.ModelParallel)):
+        return ModelParallelStrategy.from_keras(distribution)  # its TypeError says what it takes
     strategy = _strategies.get(distribution)
     if strategy is None:
         strategy = ModelParallelStrategy.from_keras(distribution)
