@@ -192,6 +192,27 @@ def test_set_distribution_none_returns_to_plain_keras(mlp):
     assert not isinstance(model.get_layer("up").kernel.value, MeshVariable)
 
 
+def test_a_scope_inside_a_set_distribution_gives_it_back():
+    outer = keras.distribution.DataParallel()
+    keras.distribution.set_distribution(outer)
+    outer_strategy = tf.distribute.get_strategy()
+    inner = keras.distribution.ModelParallel(layout_map=keras_layout_map({}))
+
+    with inner.scope():
+        assert tf.distribute.get_strategy().mesh.axis_names == ("batch", "model")
+        with inner.scope():  # entered again: the same strategy, so the same variables' mesh
+            inner_strategy = tf.distribute.get_strategy()
+        assert tf.distribute.get_strategy() is inner_strategy
+
+    assert keras.distribution.distribution() is outer
+    assert tf.distribute.get_strategy() is outer_strategy
+    assert outer_strategy.mesh.shape == (8,) and outer_strategy.batch_axis == "batch"
+    keras.distribution.set_distribution(None)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        with pytest.raises(RuntimeError, match="inside a `tf.distribute.Strategy` scope"):
+            keras.distribution.set_distribution(inner)
+
+
 # What cannot be honoured, and layout maps that match nothing ------------------
 
 
