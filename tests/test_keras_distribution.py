@@ -132,10 +132,14 @@ TRANSFORMER_RULES = {
 }
 
 
+def build_small_transformer():
+    return build_transformer_lm(vocab_size=32, seq_len=4, d_model=16, num_heads=4, ffn_dim=32)
+
+
 def test_model_parallel_transformer_in_distribution_scope_matches_one_device():
-    x, y = next_token_data(N, seq_len=8, vocab_size=64, seed=1)
-    weights = initial_weights(build_transformer_lm)
-    reference = one_device(build_transformer_lm, compile_lm, weights, x, y)
+    x, y = next_token_data(N, seq_len=4, vocab_size=32, seed=1)
+    weights = initial_weights(build_small_transformer)
+    reference = one_device(build_small_transformer, compile_lm, weights, x, y)
 
     device_mesh = keras.distribution.DeviceMesh(
         (2, 4), ["batch", "model"], keras.distribution.list_devices()
@@ -145,7 +149,7 @@ def test_model_parallel_transformer_in_distribution_scope_matches_one_device():
         layout_map[key] = axes
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     with distribution.scope():
-        model = build_transformer_lm()
+        model = build_small_transformer()
         model.set_weights(weights)
         compile_lm(model)
         losses, _ = train(model, x, y, batch_size=BATCH, epochs=EPOCHS)
@@ -285,3 +289,30 @@ def test_set_distribution_refuses_what_it_cannot_honour(value, error, message):
 def test_initialize_needs_every_process_address():
     with pytest.raises(ValueError, match=r"needs 2 addresses"):
         keras.distribution.initialize("10.0.0.1:1234", num_processes=2, process_id=0)
+
+
+def test_tfmp_layout_maps_keep_matching_anywhere_in_the_path():
+    """tfmp's own LayoutMap searches (`re.search`): no full-match hint, and
+    the same nothing-matched error, with its opt-out."""
+    device_mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+    layout_map = tfmp.LayoutMap(device_mesh)
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["gone/kernel"] = ("model", None)
+    assert layout_map.check_matched() is False  # no variable yet: nothing to judge
+    assert layout_map.match("mlp/up/kernel") == ("up/kernel", (None, "model"))
+    with pytest.warns(UserWarning, match=r"\['gone/kernel'\] matched no variable") as caught:
+        assert layout_map.check_matched()
+    assert "fullmatch" not in str(caught[0].message)
+
+    nothing = tfmp.LayoutMap(device_mesh)
+    nothing["gone/kernel"] = ("model", None)
+    assert nothing.match("mlp/up/kernel") is None
+    with pytest.raises(ValueError, match=r"no LayoutMap key matched any of the model's 1 variables"):
+        nothing.check_matched()
+    nothing.require_match = False
+    with pytest.warns(UserWarning, match=r"matched no variable"):
+        nothing.check_matched()
+
+    empty = tfmp.LayoutMap(device_mesh)
+    assert empty.match("mlp/up/kernel") is None
+    assert empty.check_matched()  # replicating everything is what an empty map asks for
