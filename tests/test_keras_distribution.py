@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import tfmp
 from helpers import (
-    assert_weights_close,
+    BatchLosses,
     build_mlp,
     compile_lm,
     compile_mlp,
@@ -82,9 +82,11 @@ def test_data_parallel_on_eight_devices_matches_one_device(mlp):
     model = build_mlp()
     model.set_weights(weights)
     compile_mlp(model)
-    losses, _ = train(model, x, y, batch_size=BATCH, epochs=EPOCHS)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)  # as Keras' guide feeds it
+    recorder = BatchLosses()
+    model.fit(dataset, epochs=EPOCHS, verbose=0, callbacks=[recorder])
 
-    assert_matches(reference, losses, model, x)
+    assert_matches(reference, recorder.losses, model, x)
     assert len(devices) == keras.distribution.get_device_count() == 8
     for variable in model.weights:
         assert variable.value.layout.mesh.size == 8, variable.path
@@ -215,6 +217,22 @@ def test_a_scope_inside_a_set_distribution_gives_it_back():
     with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
         with pytest.raises(RuntimeError, match="inside a `tf.distribute.Strategy` scope"):
             keras.distribution.set_distribution(inner)
+
+
+def test_a_distribution_set_before_tfmp_is_imported_runs_on_the_mesh():
+    from keras.src.backend.common import global_state
+
+    from tfmp.strategy.keras_distribution import follow_distribution_set_before_import
+
+    distribution = keras.distribution.DataParallel()
+    # What Keras' own set_distribution does, before tfmp's import wraps it.
+    global_state.set_global_attribute("distribution", distribution)
+    assert not tf.distribute.has_strategy()
+
+    follow_distribution_set_before_import()  # run by `import tfmp`
+
+    assert keras.distribution.distribution() is distribution
+    assert tf.distribute.get_strategy().mesh.shape == (8,)
 
 
 # What cannot be honoured, and layout maps that match nothing ------------------

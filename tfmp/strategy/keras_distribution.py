@@ -88,6 +88,13 @@ def set_distribution_on_mesh(set_distribution: Callable) -> Callable:
     return wrapper
 
 
+def follow_distribution_set_before_import() -> None:
+    """A distribution set before tfmp was imported runs on the mesh too."""
+    distribution = keras.distribution.distribution()
+    if distribution is not None and keras.backend.backend() == "tensorflow":
+        keras.distribution.set_distribution(distribution)
+
+
 def distribute_tensor(tensor: Any, layout: Any) -> Any:
     """`keras.distribution.distribute_tensor` on TensorFlow: `tensor` with
     `layout` (a `keras.distribution.TensorLayout`, axes, or a
