@@ -254,7 +254,7 @@ def test_a_key_matching_part_of_a_path_warns_with_the_full_match_key(mlp):
     model.set_weights(weights)
 
     with pytest.warns(UserWarning, match=r"\['up/kernel'\] matched no variable.*re\.fullmatch.*'mlp/up/kernel'; the key '\.\*up/kernel' would match"):
-        model.fit(x, y, batch_size=BATCH, verbose=0)
+        model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0)
     assert specs(model.get_layer("up").kernel) == [None, None]
 
 
@@ -265,7 +265,7 @@ def test_a_layout_map_matching_no_variable_is_an_error(mlp):
     model = compile_mlp(build_mlp())
 
     with pytest.raises(ValueError, match=r"no LayoutMap key matched any of the model's .*100% replicated.*'\.\*up/kernel' would match"):
-        model.fit(x, y, batch_size=BATCH, verbose=0)
+        model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0)
 
 
 def test_require_match_false_trains_a_replicated_model_on_purpose(mlp):
@@ -277,7 +277,7 @@ def test_require_match_false_trains_a_replicated_model_on_purpose(mlp):
     with strategy.scope():
         model = compile_mlp(build_mlp())
     with pytest.warns(UserWarning, match=r"matched no variable"):
-        model.fit(x, y, batch_size=BATCH, verbose=0)
+        model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0)
 
 
 class ShardsEverythingOnModel(keras.distribution.ModelParallel):

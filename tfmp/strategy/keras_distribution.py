@@ -30,8 +30,8 @@ from tfmp.forward import forward_mesh
 from tfmp.strategy.placement import to_layout
 from tfmp.strategy.strategy import ModelParallelStrategy
 
-# One strategy per distribution, so that `with distribution.scope():` entered
-# again gives the variables and models of the first time the same strategy.
+# One strategy per distribution: models made each time `with distribution.scope():`
+# is entered share one strategy, as they share one mesh on JAX.
 _strategies: "weakref.WeakKeyDictionary[Any, ModelParallelStrategy]" = weakref.WeakKeyDictionary()
 
 
@@ -107,7 +107,9 @@ def distribute_tensor(tensor: Any, layout: Any) -> Any:
     layout tfmp gives the batch: split, or whole for a last batch that does
     not divide by the axis (as one device computes it).
     """
-    strategy = current_strategy()
+    strategy = tf.distribute.get_strategy()  # a model's own, in its fit
+    if not isinstance(strategy, ModelParallelStrategy):
+        strategy = None
     batch_axis = None if strategy is None else strategy.batch_axis
     if tf.executing_eagerly():
         if dtensor.is_dtensor(tensor):
@@ -115,8 +117,9 @@ def distribute_tensor(tensor: Any, layout: Any) -> Any:
         elif strategy is None:
             raise ValueError(
                 "keras.distribution.distribute_tensor on TensorFlow places the "
-                "tensor on tfmp's mesh, and no distribution is set: call "
-                "keras.distribution.set_distribution(...) first (with tfmp imported)."
+                "tensor on tfmp's mesh, and no distribution is set (nor a tfmp "
+                "strategy's scope entered): call keras.distribution.set_distribution(...) "
+                "first (with tfmp imported)."
             )
         else:
             mesh = strategy.extended.home_mesh.dtensor_mesh
