@@ -70,11 +70,11 @@ class LayoutMap(collections.abc.MutableMapping):
     installed Keras, by asking Keras' own lookup (Keras 3.15 matches the whole
     path, `re.fullmatch`, as on the JAX backend).
 
-    A map with rules of which none matched any variable of the model is an
-    error at the first step (the model would train 100% replicated): pass
-    `require_match=False` if that is what you want. Rules that match nothing
-    while others match warn, naming the key that would match under the map's
-    rule (`".*up/kernel"` for `"up/kernel"` under whole-path matching).
+    A map that has rules but matches none of the model's variables is an
+    error at the first step (the model would train 100% replicated), unless
+    `require_match=False`. Rules that match nothing while others match warn;
+    under whole-path matching both name the key that would match
+    (`".*up/kernel"` for `"up/kernel"`).
 
     Args:
         mesh: The `tfmp.DeviceMesh` (or Keras `DeviceMesh`) the axes refer to.

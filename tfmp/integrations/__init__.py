@@ -6,8 +6,9 @@ functions, Orbit's loops, DTensor's Relayout gradient. Each such change is a
 `Patch` in one of this package's modules (one per library), naming what it
 replaces, the tfmp function that wraps the original, why, and the library
 versions it was tested on. `install()` applies them once, when the first
-`ModelParallelStrategy` is made: importing tfmp changes nothing, and models
-outside any tfmp strategy run Keras' own code. `tests/test_integrations.py`
+`ModelParallelStrategy` is made: importing tfmp changes nothing but
+`keras.distribution` (below), and models outside any tfmp strategy run
+Keras' own code. `tests/test_integrations.py`
 checks that every target still exists with the parameters its wrapper relies
 on, so an upgrade of Keras or TensorFlow fails one clear test; on an untested
 version tfmp warns once with the tested range.
@@ -16,7 +17,7 @@ Patches of one object's attribute at use (`kind="instance"`, such as an
 optimizer's gradient all-reduce that `GradientSyncMonitor` records) are
 declared here too, and applied by the feature that needs them.
 
-The one exception to "importing changes nothing" is a library's `ON_IMPORT`
+The exception is a library's `ON_IMPORT`
 table, applied by `install_on_import()` as tfmp is imported: the entry
 points of `keras.distribution`, which a program calls before any strategy
 exists (`set_distribution`), and the functions Keras' TensorFlow backend
