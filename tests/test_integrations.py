@@ -11,7 +11,11 @@ import pytest
 
 from tfmp import integrations
 
-PATCHES = [(library, patch) for library in integrations.libraries() for patch in library.PATCHES]
+PATCHES = [
+    (library, patch)
+    for library in integrations.libraries()
+    for patch in (*library.PATCHES, *getattr(library, "ON_IMPORT", ()))
+]
 
 
 def _id(case):
@@ -39,6 +43,12 @@ def test_every_patched_target_exists_with_the_parameters_its_wrapper_uses(case):
     __import__(library.MODULE)
     assert callable(patch.wrapper_function()), patch.wrapper
     owner = patch.owner()
+    if patch.kind == "addition":
+        # Once the library defines it, tfmp's stand-in would hide its own.
+        assert getattr(owner, patch.attribute, None) in (None, patch.wrapper_function()), (
+            f"{patch.target} now defines {patch.attribute!r}: drop tfmp's ({patch.why})"
+        )
+        return
     if patch.kind == "instance":
         assert _sets_attribute(owner, patch.attribute), (
             f"{patch.target} no longer sets {patch.attribute!r}: {patch.why}"
@@ -82,13 +92,15 @@ def test_an_untested_version_warns_once_with_the_range(monkeypatch):
         integrations.install()
 
 
-def test_importing_tfmp_patches_nothing_and_imports_no_optional_library():
+def test_importing_tfmp_patches_only_keras_distribution_and_imports_no_optional_library():
     script = (
         "import sys, keras\n"
         "from keras.src.backend.tensorflow.trainer import TensorFlowTrainer\n"
         "call, fit = keras.layers.Layer.__call__, TensorFlowTrainer.fit\n"
+        "set_distribution = keras.distribution.set_distribution\n"
         "import tfmp\n"
         "assert keras.layers.Layer.__call__ is call and TensorFlowTrainer.fit is fit, 'patched at import'\n"
+        "assert keras.distribution.set_distribution is not set_distribution, 'ON_IMPORT not applied'\n"
         "loaded = [m for m in ('tf_keras', 'orbit', 'official', 'keras_hub') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
         "tfmp.ModelParallelStrategy(tfmp.DeviceMesh((1,), ('batch',)))\n"

@@ -70,10 +70,18 @@ class LayoutMap(collections.abc.MutableMapping):
     installed Keras, by asking Keras' own lookup (Keras 3.15 matches the whole
     path, `re.fullmatch`, as on the JAX backend).
 
+    A map that has rules but matches none of the model's variables is an
+    error at the first step (the model would train 100% replicated), unless
+    `require_match=False`. Rules that match nothing while others match warn;
+    under whole-path matching both name the key that would match
+    (`".*up/kernel"` for `"up/kernel"`).
+
     Args:
         mesh: The `tfmp.DeviceMesh` (or Keras `DeviceMesh`) the axes refer to.
         whole_path: Match keys against the whole path (`re.fullmatch`), as
             `keras.distribution.LayoutMap` does, rather than anywhere in it.
+        require_match: Whether rules that match no variable at all are an
+            error (the default) rather than a warning.
 
     Examples:
         >>> import tfmp
@@ -83,11 +91,14 @@ class LayoutMap(collections.abc.MutableMapping):
         >>> layout_map["dense_2/kernel"] = ("model", None)  # row-parallel
     """
 
-    def __init__(self, mesh: Any, whole_path: bool = False):
+    def __init__(self, mesh: Any, whole_path: bool = False, require_match: bool = True):
         self._mesh = as_device_mesh(mesh)
         self._matches: Any = re.fullmatch if whole_path else re.search
+        self.whole_path = whole_path
+        self.require_match = require_match
         self._rules: dict[str, Axes] = {}
         self._matched: set[str] = set()
+        self._looked_up: dict[str, None] = {}  # variable paths match() was asked about, in order
         self.reasons: dict[str, str] = {}  # why a planner left a variable whole
 
     @property
@@ -126,6 +137,7 @@ class LayoutMap(collections.abc.MutableMapping):
 
         An exact key wins; otherwise exactly one regex may match.
         """
+        self._looked_up.setdefault(path)
         key = self._find_key(path)
         if key is None:
             return None
@@ -143,9 +155,71 @@ class LayoutMap(collections.abc.MutableMapping):
             )
         return keys[0] if keys else None
 
+    def note_tensor_path(self, path: str) -> None:
+        """Records that the rule matching `path`, a tensor's (a layer's
+        output), was used: it is no unmatched rule."""
+        key = self._find_key(path)
+        if key is not None:
+            self._matched.add(key)
+
     def unmatched_keys(self) -> list[str]:
         """Keys that have matched no variable path so far."""
         return [key for key in self._rules if key not in self._matched]
+
+    def check_matched(self) -> bool:
+        """Checks the rules against the variables looked up so far.
+
+        Returns False (checking nothing) while no variable has been looked
+        up: the model does not exist yet. Warns about keys that matched no
+        variable, with the key that would match under this map's rule.
+
+        Raises:
+            ValueError: If no rule matched any variable and `require_match`.
+        """
+        if not self._looked_up:
+            return False
+        unmatched = self.unmatched_keys()
+        if not unmatched:
+            return True
+        hints = "".join(self._hint(key) for key in unmatched)
+        if unmatched == list(self._rules) and self.require_match:
+            raise ValueError(
+                f"tfmp: no LayoutMap key matched any of the model's "
+                f"{len(self._looked_up)} variables (keys {unmatched}, variables such "
+                f"as {list(self._looked_up)[:3]}), so the model would train 100% "
+                f"replicated.{hints} Fix the keys against the paths "
+                "tfmp.summary(model) lists; to replicate every variable on purpose, "
+                "use an empty LayoutMap (or keras.distribution.DataParallel), or "
+                "pass require_match=False."
+            )
+        warnings.warn(
+            f"tfmp: LayoutMap keys {unmatched} matched no variable, so nothing "
+            f"they describe is sharded.{hints} Check them against the variable paths "
+            "that tfmp.summary(model) lists (a renamed layer changes its path).",
+            stacklevel=4,
+        )
+        return True
+
+    def _hint(self, key: str) -> str:
+        """Why `key` matches no variable under whole-path matching, and the
+        key that would match, when it matches part of a path."""
+        if not self.whole_path:
+            return ""
+        try:
+            partly = [path for path in self._looked_up if re.search(key, path)]
+        except re.error:
+            return ""
+        if not partly:
+            return ""
+        suggestion = ".*" + key
+        if not re.fullmatch(suggestion, partly[0]):
+            suggestion += ".*"
+        return (
+            f" This map matches a key against the whole variable path, as "
+            f"keras.distribution.LayoutMap does (the exact path, else re.fullmatch): "
+            f"{key!r} matches only part of "
+            f"{partly[0]!r}; the key {suggestion!r} would match it."
+        )
 
     def __delitem__(self, key: str) -> None:
         del self._rules[key]
@@ -180,6 +254,7 @@ def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
         return converted
     if _is_keras_layout_map(layout_map):
         converted._matches = functools.partial(_keras_matches, type(layout_map))  # noqa: SLF001
+        converted.whole_path = True
     if not hasattr(layout_map, "items"):
         raise TypeError(
             f"layout_map must be a tfmp.LayoutMap, keras.distribution.LayoutMap or "

@@ -6,8 +6,9 @@ functions, Orbit's loops, DTensor's Relayout gradient. Each such change is a
 `Patch` in one of this package's modules (one per library), naming what it
 replaces, the tfmp function that wraps the original, why, and the library
 versions it was tested on. `install()` applies them once, when the first
-`ModelParallelStrategy` is made: importing tfmp changes nothing, and models
-outside any tfmp strategy run Keras' own code. `tests/test_integrations.py`
+`ModelParallelStrategy` is made: importing tfmp changes nothing but
+`keras.distribution` (below), and models outside any tfmp strategy run
+Keras' own code. `tests/test_integrations.py`
 checks that every target still exists with the parameters its wrapper relies
 on, so an upgrade of Keras or TensorFlow fails one clear test; on an untested
 version tfmp warns once with the tested range.
@@ -15,6 +16,13 @@ version tfmp warns once with the tested range.
 Patches of one object's attribute at use (`kind="instance"`, such as an
 optimizer's gradient all-reduce that `GradientSyncMonitor` records) are
 declared here too, and applied by the feature that needs them.
+
+The exception is a library's `ON_IMPORT`
+table, applied by `install_on_import()` as tfmp is imported: the entry
+points of `keras.distribution`, which a program calls before any strategy
+exists (`set_distribution`), and the functions Keras' TensorFlow backend
+lacks (`kind="addition"`: `wrapper` is the function itself, and the test
+checks that the library still lacks it).
 """
 
 from __future__ import annotations
@@ -52,8 +60,9 @@ class Patch:
         parameters: Parameter names of the original that the wrapper relies on.
         kind: `"class"` (replaced on the class or module when installed),
             `"instance"` (replaced on single objects by the feature that needs
-            it; the target class must still set the attribute), or
-            `"gradient"` (an op's registered gradient function).
+            it; the target class must still set the attribute),
+            `"gradient"` (an op's registered gradient function), or
+            `"addition"` (an attribute the target lacks; `wrapper` is set as is).
     """
 
     target: str
@@ -85,6 +94,9 @@ class Patch:
     def apply(self) -> None:
         if self.kind == "instance":
             return
+        if self.kind == "addition":
+            setattr(self.owner(), self.attribute, self.wrapper_function())
+            return
         wrapped = self.wrapper_function()(self.original())
         if self.kind == "gradient":
             self.owner()._registry[self.attribute]["type"] = wrapped  # noqa: SLF001
@@ -114,6 +126,19 @@ def install() -> None:
         for hook in getattr(library, "AFTER_INSTALL", ()):
             module_name, function_name = hook.split(":")
             getattr(importlib.import_module(module_name), function_name)()
+
+
+_installed_on_import: set[str] = set()
+
+
+def install_on_import() -> None:
+    """Applies the `ON_IMPORT` patches of every imported library, once."""
+    for library in libraries():
+        if library.MODULE in _installed_on_import or library.MODULE not in sys.modules:
+            continue
+        _installed_on_import.add(library.MODULE)
+        for patch in getattr(library, "ON_IMPORT", ()):
+            patch.apply()
 
 
 def installed_version(package: str) -> str | None:

@@ -154,6 +154,47 @@ PATCHES = (
     ),
 )
 
+_DISTRIBUTION = "tfmp.strategy.keras_distribution"
+_BACKEND_DISTRIBUTION = "keras.src.backend.tensorflow.distribution_lib"
+
+# Applied as tfmp is imported: a program written for `keras.distribution`
+# sets its distribution before it makes any model (or strategy).
+ON_IMPORT = (
+    *(
+        Patch(
+            module,
+            "set_distribution",
+            f"{_DISTRIBUTION}:set_distribution_on_mesh",
+            "Keras' TensorFlow backend ignores the distribution: the program "
+            "would train on one device with every variable whole. The "
+            "distribution's ModelParallelStrategy becomes the current strategy.",
+            parameters=("value",),
+        )
+        # The module `Distribution.scope()` calls it from, and the public binding.
+        for module in ("keras.src.distribution.distribution_lib", "keras.distribution")
+    ),
+    *(
+        Patch(
+            _BACKEND_DISTRIBUTION,
+            name,
+            f"{_DISTRIBUTION}:{name}",
+            f"keras.distribution.{name} calls the backend's {name}, which "
+            "the TensorFlow backend lacks (AttributeError).",
+            kind="addition",
+        )
+        for name in ("distribute_tensor", "get_device_count", "initialize")
+    ),
+    Patch(
+        "keras.src.distribution.distribution_lib:ModelParallel",
+        "get_tensor_layout",
+        f"{_DISTRIBUTION}:record_tensor_layout_lookups",
+        "A rule that lays out a layer's output matches no variable, and would "
+        "be reported as a rule that matched nothing.",
+        parameters=("path",),
+        kind="instance",
+    ),
+)
+
 # Keras backend functions that run tfmp's rewrite while a forward pass is
 # traced on a mesh: a table of their own (`tfmp.lowering`), with its own test.
 AFTER_INSTALL = ("tfmp.lowering:install",)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -498,20 +497,10 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         )
 
     def warn_unmatched_layout_rules(self) -> None:
-        """Warns once, at the first step after variables exist, about
-        LayoutMap rules that matched nothing (a dataset distributed before
-        the model is made checks nothing yet)."""
-        if self._checked_layout_map or not self._made_variables:
-            return
-        self._checked_layout_map = True
-        unmatched = self.layout_map.unmatched_keys()
-        if unmatched:
-            warnings.warn(
-                f"tfmp: LayoutMap keys {unmatched} matched no variable, so nothing "
-                "they describe is sharded. Check them against the variable paths "
-                "that tfmp.summary(model) lists (a renamed layer changes its path).",
-                stacklevel=3,
-            )
+        """Checks once, at the first step whose model has variables, the
+        LayoutMap rules against them (`LayoutMap.check_matched`)."""
+        if not self._checked_layout_map:
+            self._checked_layout_map = self.layout_map.check_matched()
 
 
 def _off_mesh_if_eager(value: tf.Tensor) -> tf.Tensor:

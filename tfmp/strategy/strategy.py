@@ -131,17 +131,26 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         variable paths as the installed Keras matches them (tfmp asks its
         `LayoutMap`'s own lookup; Keras 3.15 matches the whole path).
 
+        With tfmp imported, `keras.distribution.set_distribution(distribution)`
+        makes this strategy current (see the guide's "Code written for
+        keras.distribution").
+
         Args:
             distribution: A `keras.distribution.ModelParallel` or
                 `keras.distribution.DataParallel`.
             **kwargs: Other arguments of `ModelParallelStrategy`
-                (`num_microbatches`, `schedule`).
+                (`num_microbatches`, `schedule`), and `require_match=False`
+                to train a model that no rule of the layout map matches
+                (see `tfmp.LayoutMap`).
 
         Returns:
             A `ModelParallelStrategy` over the distribution's mesh.
 
         Raises:
             TypeError: If `distribution` is neither of these.
+            ValueError: If it overrides `get_variable_layout` or
+                `get_data_layout`: tfmp lays variables and batches out from
+                the layout map and batch dimension, and would not honour them.
 
         Examples:
             >>> import keras, keras_hub, tfmp
@@ -157,11 +166,14 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             ...         num_key_value_heads=4, hidden_dim=16, intermediate_dim=64,
             ...         head_dim=4)
         """
+        require_match = kwargs.pop("require_match", True)
         if isinstance(distribution, keras.distribution.ModelParallel):
             # Keras has no public getter for a ModelParallel's layout map.
             layout_map = distribution._layout_map  # noqa: SLF001
+            kind = keras.distribution.ModelParallel
         elif isinstance(distribution, keras.distribution.DataParallel):
             layout_map = None
+            kind = keras.distribution.DataParallel
         else:
             raise TypeError(
                 "ModelParallelStrategy.from_keras takes a "
@@ -169,12 +181,26 @@ class ModelParallelStrategy(tf.distribute.Strategy):
                 f"got {type(distribution).__name__}: {distribution!r}. For a mesh and "
                 "layout map of your own, call ModelParallelStrategy(mesh, layout_map)."
             )
-        return cls(
+        overridden = [
+            name
+            for name in ("get_variable_layout", "get_data_layout")
+            if getattr(type(distribution), name) is not getattr(kind, name)
+        ]
+        if overridden:
+            raise ValueError(
+                f"{type(distribution).__name__} overrides {overridden} of "
+                f"keras.distribution.{kind.__name__}; tfmp lays out variables by the "
+                "layout map and batches over batch_dim_name, and would not honour "
+                "them. Express the layouts as LayoutMap rules instead."
+            )
+        strategy = cls(
             distribution.device_mesh,
             layout_map,
             batch_axis=distribution.batch_dim_name,
             **kwargs,
         )
+        strategy.layout_map.require_match = require_match
+        return strategy
 
     @property
     def mesh(self) -> DeviceMesh:
