@@ -13,7 +13,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
 
 from tfmp import integrations
-from tfmp.auto_layout import auto_layout
+from tfmp.auto_layout import auto_layout, has_weights
 from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, replicated
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
@@ -103,7 +103,12 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             )
             return to_layout(value, layout)
 
-        with dtensor.default_mesh(mesh.dtensor_mesh):
+        # A variable made in a traced step (an optimizer's slots at its first
+        # `apply_gradients` in a GAN's `train_step`) is made eagerly: its
+        # DVariable runs the initial value where it is made, and laying that
+        # out needs eager DTensor.
+        lifted = tf.init_scope() if callable(initial_value) else contextlib.nullcontext()
+        with lifted, dtensor.default_mesh(mesh.dtensor_mesh):
             return MeshVariable(
                 initial_value_on_mesh,
                 path=path,
@@ -185,7 +190,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         if self.auto_axis is None or model.__dict__.get("_tfmp_auto_planned"):
             return
         optimizer = getattr(model, "optimizer", None)
-        if not model.built or (optimizer is not None and optimizer.built):
+        if not has_weights(model) or (optimizer is not None and optimizer.built):
             raise ValueError(
                 f"layout_map='auto' lays out model {model.name!r} before it first "
                 "trains or predicts, so the model must be built (give it a "
