@@ -270,9 +270,10 @@ LOWERINGS: tuple[Lowering, ...] = tuple(
 # (`tf.random.set_seed` and an op `seed`). tfmp traces a step once more than
 # one device for a last batch that does not divide the batch axis; the traces
 # of a function share each op's counter, as one device's single trace does:
-# an op is known by the traced function's name, its seeds, and how many ops
-# with those seeds that trace made before it. (So a recompiled model's new
-# train function continues the draws where one device's starts again.) With
+# an op is known by its strategy, the traced function's name, its seeds, and
+# how many ops with those seeds that trace made before it. (So a recompiled
+# model's new train function, or a second model's in the same strategy,
+# continues the draws where one device's starts again.) With
 # only a global seed, an op's seed is its position in the traced graph, which
 # differs on a mesh; seeds of 0 (no seed anywhere) make one device's kernel
 # seed itself at random, and the mesh picks random seeds. Both match one
@@ -302,8 +303,8 @@ def _mesh_of_draw() -> dtensor.Mesh | None:
     return extended.home_mesh.dtensor_mesh
 
 
-# Each op's stream, by (mesh, traced function's name, seeds, ordinal).
-_streams: dict[tuple, "_PhiloxStream"] = {}
+# Per strategy, each op's stream, by (mesh, traced function's name, seeds, ordinal).
+_streams: "weakref.WeakKeyDictionary[Any, dict[tuple, _PhiloxStream]]" = weakref.WeakKeyDictionary()
 # Per graph being traced: how many ops of each seed pair it made.
 _ordinals: "weakref.WeakKeyDictionary[Any, collections.Counter]" = weakref.WeakKeyDictionary()
 
@@ -314,9 +315,10 @@ def _stream_of_op(mesh: dtensor.Mesh, seed: int, seed2: int) -> "_PhiloxStream":
     ordinals = _ordinals.setdefault(graph, collections.Counter())
     key = (mesh.to_string(), graph.name, seed, seed2, ordinals[seed, seed2])
     ordinals[seed, seed2] += 1
-    if key not in _streams:
-        _streams[key] = _PhiloxStream(mesh, seed, seed2)
-    return _streams[key]
+    streams = _streams.setdefault(tf.distribute.get_strategy(), {})
+    if key not in streams:
+        streams[key] = _PhiloxStream(mesh, seed, seed2)
+    return streams[key]
 
 
 class _PhiloxStream:

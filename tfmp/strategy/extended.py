@@ -33,6 +33,17 @@ from tfmp.strategy.variable_layout import (
 _DROPPED_VARIABLE_KWARGS = ("use_resource", "expected_shape", "caching_device")
 
 
+def _optimizers_of(model: Any) -> list[Any]:
+    """The model's compiled optimizer and those a `compile` of its own keeps
+    as attributes (a GAN's `d_optimizer` and `g_optimizer`), once each."""
+    found = [getattr(model, "optimizer", None), *vars(model).values()]
+    optimizers = []
+    for value in found:
+        if isinstance(value, keras.optimizers.Optimizer) and not any(value is o for o in optimizers):
+            optimizers.append(value)
+    return optimizers
+
+
 class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     """`strategy.extended` of `ModelParallelStrategy`."""
 
@@ -143,13 +154,14 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         it has slots. Done once per compiled optimizer and metrics: the
         `*_on_batch` methods come here every step.
         """
-        optimizer = getattr(model, "optimizer", None)
-        compiled = (optimizer, *model.metrics)
+        optimizers = _optimizers_of(model)
+        compiled = (*optimizers, *model.metrics)
         adopted = model.__dict__.get("_tfmp_adopted", ())
         if len(adopted) == len(compiled) and all(map(operator.is_, adopted, compiled)):
             return
         strategy = self._container_strategy()
-        for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        parts = [*optimizers, *(getattr(o, "inner_optimizer", None) for o in optimizers)]
+        for part in parts:
             if getattr(part, "_distribution_strategy", strategy) is strategy:
                 continue
             if part.built:
@@ -160,7 +172,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                     "`compile` a new one before the model trains."
                 )
             part._distribution_strategy = strategy  # noqa: SLF001
-        made_outside = list(optimizer.variables) if optimizer is not None else []
+        made_outside = [variable for optimizer in optimizers for variable in optimizer.variables]
         made_outside += model.metrics_variables
         mesh = self.home_mesh.dtensor_mesh
         for variable in made_outside:
