@@ -274,3 +274,23 @@ def test_gan_compiled_outside_the_scope_adopts_both_optimizers(one_device):
     assert _split_weights(model)
     for optimizer in (model.d_optimizer, model.g_optimizer):
         assert optimizer.iterations.numpy() == EPOCHS * 5
+
+
+class ScaledVAE(VAE):
+    """A VAE whose `build` makes a weight of its own: unbuilt, its weights
+    do not all exist yet."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+
+def test_auto_layout_plans_built_sub_models_and_refuses_a_model_with_its_own_build():
+    device_mesh = mesh((2, 4))
+    vae = build_vae()
+    plan = tfmp.auto_layout(vae, device_mesh)
+    split = {v.path for v in vae.weights if plan.match(v.path) is not None}
+    assert vae.encoder.get_layer("enc_hidden").kernel.path in split
+    assert vae.decoder.get_layer("dec_out").kernel.path in split
+    unbuilt = ScaledVAE(vae.encoder, vae.decoder, name="scaled_vae")
+    with pytest.raises(ValueError, match="auto_layout needs a built model; 'scaled_vae'"):
+        tfmp.auto_layout(unbuilt, device_mesh)

@@ -50,6 +50,14 @@ PATCHES = (
     ),
     Patch(
         "tensorflow",
+        "one_hot",
+        "tfmp.lowering.indexing:one_hot_by_comparison",
+        "DTensor's OneHot expansion fails when layout propagation splits the "
+        "class dimension (a one-hot mask multiplied with a split activation).",
+        parameters=("indices", "depth", "on_value", "off_value", "axis", "dtype", "name"),
+    ),
+    Patch(
+        "tensorflow",
         "concat",
         "tfmp.lowering.joins:concat_kept_whole_on_axis",
         "DTensor concatenates shards when layout propagation splits the "

@@ -57,12 +57,12 @@ from tfmp.layout import replicated
 from tfmp.lowering.registry import Lowering, keras_original
 
 
-def _replicated(value: Any) -> Any:
-    """`value` whole on every device of the forward pass' mesh; Python
-    numbers are left alone (they are whole already)."""
+def _replicated(value: Any, mesh: dtensor.Mesh | None = None) -> Any:
+    """`value` whole on every device of `mesh` (by default the forward
+    pass'); Python numbers are left alone (they are whole already)."""
     if not isinstance(value, tf.Tensor):
         return value
-    return replicated(value, forward_mesh())
+    return replicated(value, mesh or forward_mesh())
 
 
 def _keras(name: str) -> Callable:
@@ -266,18 +266,18 @@ LOWERINGS: tuple[Lowering, ...] = tuple(
 # makes new kernels, which start again. On a mesh each op draws the same
 # numbers from TensorFlow's stateless Philox ops, with the same key and the
 # counter a replicated mesh variable keeps: the draws are whole on every
-# device, and equal one device's bit for bit when the op has seeds of its own
-# (`tf.random.set_seed` and an op `seed`). tfmp traces a step once more than
+# device, and equal one device's bit for bit whenever TensorFlow's global seed
+# is set (`tf.random.set_seed`, `keras.utils.set_random_seed`): an op without
+# a seed of its own gets its place among the traced function's unseeded ops,
+# the same on a mesh. tfmp traces a step once more than
 # one device for a last batch that does not divide the batch axis; the traces
 # of a function share each op's counter, as one device's single trace does:
 # an op is known by its strategy, the traced function's name, its seeds, and
 # how many ops with those seeds that trace made before it. (So a recompiled
 # model's new train function, or a second model's in the same strategy,
-# continues the draws where one device's starts again.) With
-# only a global seed, an op's seed is its position in the traced graph, which
-# differs on a mesh; seeds of 0 (no seed anywhere) make one device's kernel
-# seed itself at random, and the mesh picks random seeds. Both match one
-# device in distribution. `tf.random.shuffle` and
+# continues the draws where one device's starts again.) Seeds of 0 (no seed
+# anywhere) make one device's kernel seed itself at random, and the mesh
+# picks random seeds: they match in distribution. `tf.random.shuffle` and
 # `tf.random.categorical` have kernels no stateless op reproduces; on a mesh
 # they draw from the same stateless stream, and match one device only in
 # distribution.
@@ -285,7 +285,6 @@ LOWERINGS: tuple[Lowering, ...] = tuple(
 # Philox blocks of 128 bits a stateful kernel reserves per number it draws.
 _BLOCKS_PER_NUMBER = 256
 _PHILOX = 1  # `Algorithm.PHILOX` of the stateless ops
-_STATEFUL = "tensorflow.python.ops.gen_random_ops"
 
 
 def _mesh_of_draw() -> dtensor.Mesh | None:
@@ -382,7 +381,7 @@ def stateless_on_mesh(kernel: Callable) -> Callable:
         if mesh is None:
             return kernel(shape, dtype, seed=seed, seed2=seed2, name=name)
         key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(_size(shape))
-        return _replicated_on(mesh, stateless(shape, key, counter, _PHILOX, dtype=dtype, name=name))
+        return _replicated(stateless(shape, key, counter, _PHILOX, dtype=dtype, name=name), mesh)
 
     return wrapper
 
@@ -397,11 +396,11 @@ def stateless_int_on_mesh(kernel: Callable) -> Callable:
         if mesh is None:
             return kernel(shape, minval, maxval, seed=seed, seed2=seed2, name=name)
         key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(_size(shape))
-        minval, maxval = _replicated_on(mesh, minval), _replicated_on(mesh, maxval)
+        minval, maxval = _replicated(minval, mesh), _replicated(maxval, mesh)
         drawn = stateless_v2.stateless_random_uniform_int_v2(
             shape, key, counter, _PHILOX, minval, maxval, name=name
         )
-        return _replicated_on(mesh, drawn)
+        return _replicated(drawn, mesh)
 
     return wrapper
 
@@ -416,11 +415,11 @@ def shuffled_on_mesh(kernel: Callable) -> Callable:
         mesh = _mesh_of_draw()
         if mesh is None:
             return kernel(value, seed=seed, seed2=seed2, name=name)
-        value = _replicated_on(mesh, tf.convert_to_tensor(value))
+        value = _replicated(tf.convert_to_tensor(value), mesh)
         rows = tf.shape(value, out_type=tf.int64)[:1]
         key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(rows[0])
         sort_keys = stateless_v2.stateless_random_uniform_v2(rows, key, counter, _PHILOX)
-        return tf.gather(value, tf.argsort(_replicated_on(mesh, sort_keys)), name=name)
+        return tf.gather(value, tf.argsort(_replicated(sort_keys, mesh)), name=name)
 
     return wrapper
 
@@ -437,7 +436,7 @@ def gumbel_categorical_on_mesh(kernel: Callable) -> Callable:
             return kernel(
                 logits, num_samples, seed=seed, seed2=seed2, output_dtype=output_dtype, name=name
             )
-        logits = _replicated_on(mesh, tf.convert_to_tensor(logits))
+        logits = _replicated(tf.convert_to_tensor(logits), mesh)
         rows, classes = tf.unstack(tf.shape(logits, out_type=tf.int64))
         shape = tf.stack([rows, tf.cast(num_samples, tf.int64), classes])
         key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(_size(shape))
@@ -445,15 +444,8 @@ def gumbel_categorical_on_mesh(kernel: Callable) -> Callable:
             shape, key, counter, _PHILOX, dtype=logits.dtype
         )
         # -log(-log(u)) is Gumbel noise; u = 0 only makes its class lose.
-        gumbel = -tf.math.log(-tf.math.log(_replicated_on(mesh, uniform)))
+        gumbel = -tf.math.log(-tf.math.log(_replicated(uniform, mesh)))
         samples = tf.argmax(logits[:, None, :] + gumbel, axis=-1, output_type=output_dtype)
         return tf.identity(samples, name=name)
 
     return wrapper
-
-
-def _replicated_on(mesh: dtensor.Mesh, value: Any) -> Any:
-    if not isinstance(value, tf.Tensor):
-        return value
-    return replicated(value, mesh)
-

@@ -151,7 +151,9 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         replicated, before the model runs. The optimizer also keeps the
         strategy current when it was made, to make its slots and run its
         updates under; it is handed this one, which it can take only before
-        it has slots. Done once per compiled optimizer and metrics: the
+        it has slots. A `compile` of the model's own may keep more optimizers
+        as attributes (a GAN's `d_optimizer` and `g_optimizer`): each is
+        brought over alike. Done once per compiled optimizer and metrics: the
         `*_on_batch` methods come here every step.
         """
         optimizers = _optimizers_of(model)
@@ -201,8 +203,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         variables to them, once, before its optimizer has slots."""
         if self.auto_axis is None or model.__dict__.get("_tfmp_auto_planned"):
             return
-        optimizer = getattr(model, "optimizer", None)
-        if not has_weights(model) or (optimizer is not None and optimizer.built):
+        if not has_weights(model) or any(o.built for o in _optimizers_of(model)):
             raise ValueError(
                 f"layout_map='auto' lays out model {model.name!r} before it first "
                 "trains or predicts, so the model must be built (give it a "

@@ -11,7 +11,9 @@ to keep its first step's graphs for `tfmp.comm_report`), and whether the
 batches they feed train it (a pipeline checks that a training batch splits
 into its micro-batches). Anything else passes through untouched. A pipeline
 model's `train_step` and `test_step` are the pipeline's
-(`tfmp.pipeline.keras_hooks`). Which Keras attribute each wrapper replaces
+(`tfmp.pipeline.keras_hooks`). A model with no `call()` of its own (a GAN
+with its own `train_step`) skips Keras' symbolic build, as it does without a
+strategy (`built_without_call`). Which Keras attribute each wrapper replaces
 is declared in `tfmp.integrations.keras`. One more meets TensorFlow: a host tensor
 a step captures (a constant the model holds) reaches the mesh
 (`mesh_captures`).
