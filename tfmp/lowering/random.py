@@ -310,6 +310,7 @@ _ordinals: "weakref.WeakKeyDictionary[Any, collections.Counter]" = weakref.WeakK
 
 def _stream_of_op(mesh: dtensor.Mesh, seed: int, seed2: int) -> "_PhiloxStream":
     """The stream of the op being traced now (see above)."""
+    seed, seed2 = seed or 0, seed2 or 0  # TensorFlow passes None for "no seed"
     graph = tf.compat.v1.get_default_graph()
     ordinals = _ordinals.setdefault(graph, collections.Counter())
     key = (mesh.to_string(), graph.name, seed, seed2, ordinals[seed, seed2])
