@@ -145,7 +145,7 @@ def auto_layout(
     """
     mesh = as_device_mesh(mesh)
     mesh.check_axis(axis, what="auto_layout axis")
-    if not model.built:
+    if not has_weights(model):
         raise ValueError(
             f"auto_layout needs a built model; {model.name!r} has no weights yet. "
             "Give it a keras.Input or call model.build(input_shape) first."
@@ -171,6 +171,19 @@ def auto_layout(
             stacklevel=2,
         )
     return layout_map
+
+
+def has_weights(model: Any) -> bool:
+    """Whether every weight of `model` exists: it is built, or it is a
+    subclassed model that only wraps built models and layers (a VAE's encoder
+    and decoder, a GAN's generator and discriminator, with their own
+    `train_step` and often no `call`). Keras on JAX lays such a model out
+    from its sub-models' variables; a `build` of its own would make more."""
+    if model.built:
+        return True
+    layers = _sublayers(model)
+    builds_own_weights = type(model).build is not keras.Model.build
+    return bool(layers) and not builds_own_weights and all(layer.built for layer in layers)
 
 
 def _drop_rules_of_shared_paths(plan: _Plan, shapes: dict[str, set[tuple[int, ...]]]) -> None:

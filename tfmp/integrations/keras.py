@@ -53,6 +53,14 @@ PATCHES = (
         for name in ("train_step", "test_step")
     ),
     Patch(
+        "keras.src.trainers.trainer:Trainer",
+        "_symbolic_build",
+        f"{_HOOKS}:built_without_call",
+        "Under any strategy Keras builds a model by calling `call()`, which a "
+        "GAN or VAE with its own `train_step` does not have: fit stops.",
+        parameters=("iterator", "data_batch"),
+    ),
+    Patch(
         _TRAINER,
         "_make_function",
         "tfmp.strategy.steps_per_call:steps_per_call",

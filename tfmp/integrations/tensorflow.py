@@ -50,6 +50,14 @@ PATCHES = (
     ),
     Patch(
         "tensorflow",
+        "one_hot",
+        "tfmp.lowering.indexing:one_hot_by_comparison",
+        "DTensor's OneHot expansion fails when layout propagation splits the "
+        "class dimension (a one-hot mask multiplied with a split activation).",
+        parameters=("indices", "depth", "on_value", "off_value", "axis", "dtype", "name"),
+    ),
+    Patch(
+        "tensorflow",
         "concat",
         "tfmp.lowering.joins:concat_kept_whole_on_axis",
         "DTensor concatenates shards when layout propagation splits the "
@@ -72,5 +80,45 @@ PATCHES = (
         "DTensor's Unpack gives shards of the wrong size when the unstacked "
         "dimension is split (SAM3's box coordinates).",
         parameters=("value", "num", "axis", "name"),
+    ),
+    *(
+        Patch(
+            "tensorflow.python.ops.gen_random_ops",
+            kernel,
+            f"tfmp.lowering.random:{wrapper}",
+            "DTensor refuses stateful random ops (tf.random.normal in a VAE's "
+            "sampling layer, a GAN's latent vectors in its train_step): on a "
+            f"mesh they draw from stateless ops, {matching}.",
+            parameters=parameters,
+        )
+        for kernel, wrapper, matching, parameters in (
+            *(
+                (
+                    kernel,
+                    "stateless_on_mesh",
+                    "the numbers one device draws",
+                    ("shape", "dtype", "seed", "seed2", "name"),
+                )
+                for kernel in ("random_standard_normal", "random_uniform", "truncated_normal")
+            ),
+            (
+                "random_uniform_int",
+                "stateless_int_on_mesh",
+                "the numbers one device draws",
+                ("shape", "minval", "maxval", "seed", "seed2", "name"),
+            ),
+            (
+                "random_shuffle",
+                "shuffled_on_mesh",
+                "a permutation like one device's in distribution",
+                ("value", "seed", "seed2", "name"),
+            ),
+            (
+                "multinomial",
+                "gumbel_categorical_on_mesh",
+                "samples like one device's in distribution",
+                ("logits", "num_samples", "seed", "seed2", "output_dtype", "name"),
+            ),
+        )
     ),
 )

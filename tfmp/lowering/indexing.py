@@ -22,6 +22,7 @@ elementwise ops.
   dimension (the batch's) stays as it is, the others whole, as the gather
   makes them. (On plain replicated tables the relayout broke ViTDet's
   relative positions, so they keep TensorFlow's own gather.)
+  User code's `tf.one_hot` is the same comparison on a mesh.
 - `tf.eye` is a `MatrixDiagV3`, which DTensor has no layout rule for
   ("'tf.MatrixDiagV3' op does not implement layout propagation"; Qwen 3.5's
   gated delta net adds `ops.eye(chunk_size)`). `rows + k == columns` is the
@@ -146,6 +147,27 @@ LOWERINGS = (
         "tf.eye is a MatrixDiagV3, which DTensor has no layout rule for",
     ),
 )
+
+
+def one_hot_by_comparison(tf_one_hot: Callable) -> Callable:
+    """`tf.one_hot` that, in a forward pass on a mesh, is `keras.ops.one_hot`'s
+    comparison with the class range (see the module's docstring), with
+    TensorFlow's on and off values and dtype. A depth computed in the step is
+    TensorFlow's own."""
+
+    @functools.wraps(tf_one_hot)
+    def wrapper(indices, depth, on_value=None, off_value=None, axis=None, dtype=None, name=None):
+        if forward_mesh() is None or not isinstance(depth, int):
+            return tf_one_hot(indices, depth, on_value, off_value, axis, dtype, name)
+        if dtype is None:  # TensorFlow's rule: the on value's, the off value's, float32
+            given = on_value if on_value is not None else off_value
+            dtype = tf.float32 if given is None else tf.convert_to_tensor(given).dtype
+        hot = one_hot(indices, depth, axis=-1 if axis is None else axis, dtype="bool")
+        on = tf.cast(1 if on_value is None else on_value, dtype)
+        off = tf.cast(0 if off_value is None else off_value, dtype)
+        return tf.where(hot, on, off, name=name)
+
+    return wrapper
 
 
 def gather_nd_on_index_lists(gather_nd: Callable) -> Callable:

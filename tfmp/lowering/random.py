@@ -38,6 +38,10 @@ those raise an error that says so instead of DTensor's at compile time.
 
 from __future__ import annotations
 
+import collections
+import functools
+import random
+import weakref
 from typing import Any, Callable, NoReturn
 
 import tensorflow as tf
@@ -46,18 +50,19 @@ from keras.src.backend.tensorflow import random as keras_random
 from keras.src.random.seed_generator import SeedGenerator, global_seed_generator
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import tensor_util
+from tensorflow.python.ops import gen_stateless_random_ops_v2 as stateless_v2
 
 from tfmp.forward import MicrobatchedStep, forward_mesh, microbatched_step
 from tfmp.layout import replicated
 from tfmp.lowering.registry import Lowering, keras_original
 
 
-def _replicated(value: Any) -> Any:
-    """`value` whole on every device of the forward pass' mesh; Python
-    numbers are left alone (they are whole already)."""
+def _replicated(value: Any, mesh: dtensor.Mesh | None = None) -> Any:
+    """`value` whole on every device of `mesh` (by default the forward
+    pass'); Python numbers are left alone (they are whole already)."""
     if not isinstance(value, tf.Tensor):
         return value
-    return replicated(value, forward_mesh())
+    return replicated(value, mesh or forward_mesh())
 
 
 def _keras(name: str) -> Callable:
@@ -249,3 +254,199 @@ LOWERINGS: tuple[Lowering, ...] = tuple(
     Lowering(_MODULE, name, f"{__name__}:{name}", f"DTensor has no layout rule for {op}")
     for name, op in _NO_LAYOUT_RULE.items()
 )
+
+
+# TensorFlow's stateful random ops, called by user code on a mesh: a layer or
+# a `train_step` written before Keras 3 (`tf.random.normal`,
+# `tf.keras.backend.random_normal`, a GAN's latent vectors and label noise).
+# DTensor refuses stateful random ops ("Stateful random operations are not
+# supported in DTensor"). On one device each such op is a kernel holding a
+# Philox generator keyed by the op's seeds (`seed`, `seed2`), which reserves
+# 256 blocks of 128 bits per number drawn at every run; a new traced function
+# makes new kernels, which start again. On a mesh each op draws the same
+# numbers from TensorFlow's stateless Philox ops, with the same key and the
+# counter a replicated mesh variable keeps: the draws are whole on every
+# device, and equal one device's bit for bit whenever TensorFlow's global seed
+# is set (`tf.random.set_seed`, `keras.utils.set_random_seed`): an op without
+# a seed of its own gets its place among the traced function's unseeded ops,
+# the same on a mesh. tfmp traces a step once more than
+# one device for a last batch that does not divide the batch axis; the traces
+# of a function share each op's counter, as one device's single trace does:
+# an op is known by its strategy, the traced function's name, its seeds, and
+# how many ops with those seeds that trace made before it. (So a recompiled
+# model's new train function, or a second model's in the same strategy,
+# continues the draws where one device's starts again.) Seeds of 0 (no seed
+# anywhere) make one device's kernel seed itself at random, and the mesh
+# picks random seeds: they match in distribution. `tf.random.shuffle` and
+# `tf.random.categorical` have kernels no stateless op reproduces; on a mesh
+# they draw from the same stateless stream, and match one device only in
+# distribution.
+
+# Philox blocks of 128 bits a stateful kernel reserves per number it draws.
+_BLOCKS_PER_NUMBER = 256
+_PHILOX = 1  # `Algorithm.PHILOX` of the stateless ops
+
+
+def _mesh_of_draw() -> dtensor.Mesh | None:
+    """The mesh a stateful op is traced on: a layer's forward pass', else a
+    tfmp step's (a `train_step`'s own draws run outside any layer). The
+    lowerings cannot import the strategy, so a tfmp step is known by its
+    replica context's strategy, which names its home mesh."""
+    mesh = forward_mesh()
+    if mesh is not None or tf.executing_eagerly():
+        return mesh
+    context = tf.distribute.get_replica_context()
+    extended = getattr(getattr(context, "strategy", None), "extended", None)
+    if not type(extended).__module__.startswith("tfmp."):
+        return None
+    return extended.home_mesh.dtensor_mesh
+
+
+# Per strategy, each op's stream, by (mesh, traced function's name, seeds, ordinal).
+_streams: "weakref.WeakKeyDictionary[Any, dict[tuple, _PhiloxStream]]" = weakref.WeakKeyDictionary()
+# Per graph being traced: how many ops of each seed pair it made.
+_ordinals: "weakref.WeakKeyDictionary[Any, collections.Counter]" = weakref.WeakKeyDictionary()
+
+
+def _stream_of_op(mesh: dtensor.Mesh, seed: int, seed2: int) -> "_PhiloxStream":
+    """The stream of the op being traced now (see above)."""
+    seed, seed2 = seed or 0, seed2 or 0  # TensorFlow passes None for "no seed"
+    graph = tf.compat.v1.get_default_graph()
+    ordinals = _ordinals.setdefault(graph, collections.Counter())
+    key = (mesh.to_string(), graph.name, seed, seed2, ordinals[seed, seed2])
+    ordinals[seed, seed2] += 1
+    streams = _streams.setdefault(tf.distribute.get_strategy(), {})
+    if key not in streams:
+        streams[key] = _PhiloxStream(mesh, seed, seed2)
+    return streams[key]
+
+
+class _PhiloxStream:
+    """One stateful op's generator on a mesh: its Philox key (the op's
+    `seed`) and counter (`seed2` above the blocks drawn so far, which a
+    replicated int64 variable keeps)."""
+
+    def __init__(self, mesh: dtensor.Mesh, seed: int, seed2: int):
+        if seed == seed2 == 0:
+            seed, seed2 = _unseeded_seeds()
+        self._key = seed
+        self._seed2 = seed2
+        with tf.init_scope():  # made as the step is first traced, like the kernel
+            zero = dtensor.call_with_layout(
+                tf.zeros, dtensor.Layout.replicated(mesh, 0), shape=[], dtype=tf.int64
+            )
+            self._drawn = dtensor.DVariable(zero, trainable=False, name="philox_counter")
+
+    def key_and_counter(self, numbers: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """The key and counter of the next draw of `numbers` numbers."""
+        offset = self._drawn.read_value()
+        self._drawn.assign_add(tf.cast(numbers, tf.int64) * _BLOCKS_PER_NUMBER)
+        key = tf.constant([self._key], tf.uint64)
+        counter = tf.stack([tf.cast(offset, tf.uint64), tf.constant(self._seed2, tf.uint64)])
+        return key, counter
+
+
+def _unseeded_seeds() -> tuple[int, int]:
+    """Seeds for an op with none: a one-device kernel seeds itself at random.
+    In a run of several clients each would pick its own, and the draws that
+    should be whole on every device would differ: an error instead."""
+    if dtensor.num_clients() > 1:
+        raise ValueError(
+            "An unseeded TensorFlow random op (tf.random.normal, uniform, ...) runs in a "
+            "step of a multi-client tfmp run: each client would draw other numbers. "
+            "Call tf.random.set_seed(...) in every client before the model trains."
+        )
+    return _SEEDS.getrandbits(31), _SEEDS.getrandbits(31)
+
+
+_SEEDS = random.SystemRandom()
+
+
+def _size(shape: Any) -> tf.Tensor:
+    return tf.reduce_prod(tf.cast(shape, tf.int64))
+
+
+def stateless_on_mesh(kernel: Callable) -> Callable:
+    """A stateful random op's function (`gen_random_ops.<op>`) that, on a
+    mesh, draws one device's numbers from the stateless op of the same
+    distribution (see above)."""
+    stateless = {
+        "random_standard_normal": stateless_v2.stateless_random_normal_v2,
+        "random_uniform": stateless_v2.stateless_random_uniform_v2,
+        "truncated_normal": stateless_v2.stateless_truncated_normal_v2,
+    }[kernel.__name__]
+
+    @functools.wraps(kernel)
+    def wrapper(shape, dtype, seed=0, seed2=0, name=None):
+        mesh = _mesh_of_draw()
+        if mesh is None:
+            return kernel(shape, dtype, seed=seed, seed2=seed2, name=name)
+        key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(_size(shape))
+        return _replicated(stateless(shape, key, counter, _PHILOX, dtype=dtype, name=name), mesh)
+
+    return wrapper
+
+
+def stateless_int_on_mesh(kernel: Callable) -> Callable:
+    """`gen_random_ops.random_uniform_int` (`tf.random.uniform` of an integer
+    dtype) that, on a mesh, draws one device's numbers statelessly."""
+
+    @functools.wraps(kernel)
+    def wrapper(shape, minval, maxval, seed=0, seed2=0, name=None):
+        mesh = _mesh_of_draw()
+        if mesh is None:
+            return kernel(shape, minval, maxval, seed=seed, seed2=seed2, name=name)
+        key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(_size(shape))
+        minval, maxval = _replicated(minval, mesh), _replicated(maxval, mesh)
+        drawn = stateless_v2.stateless_random_uniform_int_v2(
+            shape, key, counter, _PHILOX, minval, maxval, name=name
+        )
+        return _replicated(drawn, mesh)
+
+    return wrapper
+
+
+def shuffled_on_mesh(kernel: Callable) -> Callable:
+    """`gen_random_ops.random_shuffle` (`tf.random.shuffle`) that, on a mesh,
+    orders the rows by a stateless uniform draw: a uniform permutation, as
+    one device's, but not its."""
+
+    @functools.wraps(kernel)
+    def wrapper(value, seed=0, seed2=0, name=None):
+        mesh = _mesh_of_draw()
+        if mesh is None:
+            return kernel(value, seed=seed, seed2=seed2, name=name)
+        value = _replicated(tf.convert_to_tensor(value), mesh)
+        rows = tf.shape(value, out_type=tf.int64)[:1]
+        key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(rows[0])
+        sort_keys = stateless_v2.stateless_random_uniform_v2(rows, key, counter, _PHILOX)
+        return tf.gather(value, tf.argsort(_replicated(sort_keys, mesh)), name=name)
+
+    return wrapper
+
+
+def gumbel_categorical_on_mesh(kernel: Callable) -> Callable:
+    """`gen_random_ops.multinomial` (`tf.random.categorical`) that, on a
+    mesh, samples by the Gumbel-max rule from a stateless uniform draw: the
+    same distribution as one device's, other samples."""
+
+    @functools.wraps(kernel)
+    def wrapper(logits, num_samples, seed=0, seed2=0, output_dtype=tf.int64, name=None):
+        mesh = _mesh_of_draw()
+        if mesh is None:
+            return kernel(
+                logits, num_samples, seed=seed, seed2=seed2, output_dtype=output_dtype, name=name
+            )
+        logits = _replicated(tf.convert_to_tensor(logits), mesh)
+        rows, classes = tf.unstack(tf.shape(logits, out_type=tf.int64))
+        shape = tf.stack([rows, tf.cast(num_samples, tf.int64), classes])
+        key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(_size(shape))
+        uniform = stateless_v2.stateless_random_uniform_v2(
+            shape, key, counter, _PHILOX, dtype=logits.dtype
+        )
+        # -log(-log(u)) is Gumbel noise; u = 0 only makes its class lose.
+        gumbel = -tf.math.log(-tf.math.log(_replicated(uniform, mesh)))
+        samples = tf.argmax(logits[:, None, :] + gumbel, axis=-1, output_type=output_dtype)
+        return tf.identity(samples, name=name)
+
+    return wrapper

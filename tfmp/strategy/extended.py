@@ -14,7 +14,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.distribute import distribute_lib
 
 from tfmp import integrations
-from tfmp.auto_layout import auto_layout
+from tfmp.auto_layout import auto_layout, has_weights
 from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, replicated
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
@@ -32,6 +32,17 @@ from tfmp.strategy.variable_layout import (
 
 # Keyword arguments of tf.Variable creation that a DVariable does not take.
 _DROPPED_VARIABLE_KWARGS = ("use_resource", "expected_shape", "caching_device")
+
+
+def _optimizers_of(model: Any) -> list[Any]:
+    """The model's compiled optimizer and those a `compile` of its own keeps
+    as attributes (a GAN's `d_optimizer` and `g_optimizer`), once each."""
+    found = [getattr(model, "optimizer", None), *vars(model).values()]
+    optimizers = []
+    for value in found:
+        if isinstance(value, keras.optimizers.Optimizer) and not any(value is o for o in optimizers):
+            optimizers.append(value)
+    return optimizers
 
 
 class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
@@ -66,7 +77,6 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         self.fully_shard_axis = batch_axis if fully_shard else None
         self.first_step_graphs = FirstStepGraphs()
         self._checked_layout_map = False
-        self._made_variables = False
         # The variables that optimizers have made slots for.
         self._with_slots: set[Any] = set()
         # The Keras models made in the strategy's scope (`made_in_scope`).
@@ -115,7 +125,6 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             )
             return to_layout(value, layout)
 
-        self._made_variables = True
         if colocate_with is not None:
             self._with_slots.add(colocate_with.ref())
         # Made in a trace (an optimizer's slots at its first `apply_gradients`
@@ -155,16 +164,19 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         replicated, before the model runs. The optimizer also keeps the
         strategy current when it was made, to make its slots and run its
         updates under; it is handed this one, which it can take only before
-        it has slots. Done once per compiled optimizer and metrics: the
+        it has slots. A `compile` of the model's own may keep more optimizers
+        as attributes (a GAN's `d_optimizer` and `g_optimizer`): each is
+        brought over alike. Done once per compiled optimizer and metrics: the
         `*_on_batch` methods come here every step.
         """
-        optimizer = getattr(model, "optimizer", None)
-        compiled = (optimizer, *model.metrics)
+        optimizers = _optimizers_of(model)
+        compiled = (*optimizers, *model.metrics)
         adopted = model.__dict__.get("_tfmp_adopted", ())
         if len(adopted) == len(compiled) and all(map(operator.is_, adopted, compiled)):
             return
         strategy = self._container_strategy()
-        for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        parts = [*optimizers, *(getattr(o, "inner_optimizer", None) for o in optimizers)]
+        for part in parts:
             if getattr(part, "_distribution_strategy", strategy) is strategy:
                 continue
             if part.built:
@@ -175,7 +187,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                     "`compile` a new one before the model trains."
                 )
             part._distribution_strategy = strategy  # noqa: SLF001
-        made_outside = list(optimizer.variables) if optimizer is not None else []
+        made_outside = [variable for optimizer in optimizers for variable in optimizer.variables]
         made_outside += model.metrics_variables
         mesh = self.home_mesh.dtensor_mesh
         for variable in made_outside:
@@ -207,8 +219,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         variables to them, once, before its optimizer has slots."""
         if self.auto_axis is None or model.__dict__.get("_tfmp_auto_planned"):
             return
-        optimizer = getattr(model, "optimizer", None)
-        if not model.built or (optimizer is not None and optimizer.built):
+        if not has_weights(model) or any(o.built for o in _optimizers_of(model)):
             raise ValueError(
                 f"layout_map='auto' lays out model {model.name!r} before it first "
                 "trains or predicts, so the model must be built (give it a "

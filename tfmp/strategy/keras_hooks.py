@@ -11,7 +11,9 @@ to keep its first step's graphs for `tfmp.comm_report`), and whether the
 batches they feed train it (a pipeline checks that a training batch splits
 into its micro-batches). Anything else passes through untouched. A pipeline
 model's `train_step` and `test_step` are the pipeline's
-(`tfmp.pipeline.keras_hooks`). Which Keras attribute each wrapper replaces
+(`tfmp.pipeline.keras_hooks`). A model with no `call()` of its own (a GAN
+with its own `train_step`) skips Keras' symbolic build, as it does without a
+strategy (`built_without_call`). Which Keras attribute each wrapper replaces
 is declared in `tfmp.integrations.keras`. One more meets TensorFlow: a host tensor
 a step captures (a constant the model holds) reaches the mesh
 (`mesh_captures`).
@@ -236,6 +238,30 @@ def on_batch(method: Callable) -> Callable:
                     data[name] = placer.place(data[name], targets=name != "x")
             with explained_errors(self):
                 return method(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
+def built_without_call(symbolic_build: Callable) -> Callable:
+    """Keras' symbolic build at the start of `fit`, `evaluate` and `predict`
+    under a strategy, for a model with no `call()` of its own.
+
+    Keras calls the model on symbolic inputs there, to make its variables and
+    those of its compiled metrics outside the step. A model that only runs
+    its own `train_step` over built sub-models (a GAN of a generator and a
+    discriminator, a VAE of an encoder and a decoder, as Keras' examples
+    write them) has no `call()`, and Keras' build stops under any
+    tf.distribute strategy ("Model GAN does not have a `call()` method
+    implemented"). Without a strategy Keras builds nothing there; on a tfmp
+    mesh such a model skips the build as well, and its `train_step` makes
+    what it needs as it first runs (an optimizer's slots), as on one device.
+    """
+
+    @functools.wraps(symbolic_build)
+    def wrapper(self, iterator=None, data_batch=None):
+        if type(self).call is keras.Model.call and placer_for(self) is not None:
+            return None
+        return symbolic_build(self, iterator=iterator, data_batch=data_batch)
 
     return wrapper
 
