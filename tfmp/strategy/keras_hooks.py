@@ -9,7 +9,9 @@ axis), the call runs as a function on the mesh, and outputs come back whole.
 model's strategy which model runs (to lay it out with `layout_map="auto"`, and
 to keep its first step's graphs for `tfmp.comm_report`), and whether the
 batches they feed train it (a pipeline checks that a training batch splits
-into its micro-batches). Anything else passes through untouched. A pipeline
+into its micro-batches); `fit` and `evaluate` also that the pass Keras makes
+over their data to build the model is to read nothing
+(`tfmp.strategy.epoch_iterator`). Anything else passes through untouched. A pipeline
 model's `train_step` and `test_step` are the pipeline's
 (`tfmp.pipeline.keras_hooks`). Which Keras attribute each wrapper replaces
 is declared in `tfmp.integrations.keras`. One more meets TensorFlow: a host tensor
@@ -36,6 +38,7 @@ from tensorflow.python.framework import dtypes, ops
 from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy import errors
+from tfmp.strategy.epoch_iterator import build_pass_expected
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
@@ -111,11 +114,13 @@ def prepared(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        build_pass = contextlib.nullcontext()
         if method.__name__ in ("fit", "evaluate") and placer_for(self) is not None:
             bound = signature.bind(self, *args, **kwargs)
             bound.arguments["callbacks"] = with_step_errors(bound.arguments.get("callbacks"))
             args, kwargs = bound.args[1:], bound.kwargs
-        with _running(self, method.__name__), explained_errors(self):
+            build_pass = build_pass_expected()
+        with _running(self, method.__name__), explained_errors(self), build_pass:
             return method(self, *args, **kwargs)
 
     return wrapper
