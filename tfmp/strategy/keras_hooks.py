@@ -105,8 +105,13 @@ def _running(model: Any, method: str) -> Iterator[None]:
         yield
         return
     extended.prepare(model)
-    with extended.feeding(trains=method in _TRAINING_METHODS):
-        yield
+    try:
+        with extended.feeding(trains=method in _TRAINING_METHODS):
+            yield
+    finally:
+        # Keras asks for no batch past an epoch of known length, where the
+        # graphs collected for the first steps would be kept: keep them now.
+        extended.first_step_graphs.finish()
 
 
 def prepared(method: Callable) -> Callable:
