@@ -61,6 +61,16 @@ PATCHES = (
         parameters=("iterator", "data_batch"),
     ),
     Patch(
+        "keras.src.backend.tensorflow.trainer",
+        "TFEpochIterator",
+        "tfmp.strategy.epoch_iterator:read_once",
+        "Under a strategy Keras reads a batch to build the model and opens the "
+        "epoch again, and the mesh's iterators read ahead: a shuffle would start "
+        "another pass, a generator lose a batch, so steps saw other rows than "
+        "on one device.",
+        parameters=("distribute_strategy",),
+    ),
+    Patch(
         _TRAINER,
         "_make_function",
         "tfmp.strategy.steps_per_call:steps_per_call",

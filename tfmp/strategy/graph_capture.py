@@ -14,9 +14,10 @@ from typing import Any
 
 from tensorflow.python.eager import context
 
-# Batches fed with collection on: Keras reads one batch to build the model
-# before the first step, so the first step runs with the second batch, and
-# the graphs are read when the third batch is asked for.
+# Batches fed with collection on: the first step runs on one of the first
+# two whether or not a loop reads a batch of its own before it (Keras' fit
+# reads none under tfmp: `tfmp.strategy.epoch_iterator`); the graphs are read
+# when the third batch is asked for, or at the end of the data.
 _BATCHES_TO_CAPTURE = 2
 
 

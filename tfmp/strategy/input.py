@@ -1,4 +1,11 @@
-"""Feeding `tf.data` batches to the mesh, one host batch at a time."""
+"""Feeding `tf.data` batches to the mesh, one host batch at a time.
+
+`MeshDataset` is what `strategy.experimental_distribute_dataset` returns, for
+custom loops; `OnDemandDataset` is what Keras' `fit`, `evaluate` and
+`predict` iterate (`tfmp.strategy.epoch_iterator`): it reads each element
+only when Keras asks for it, so a step trains on the rows it would train on
+without a strategy.
+"""
 
 from __future__ import annotations
 
@@ -228,6 +235,80 @@ class BatchOptional:
                 None, None, "The dataset has no more batches: check has_value() first."
             )
         return self._batch
+
+
+class OnDemandDataset:
+    """The batches of Keras' `fit`, `evaluate` or `predict`, read from the host
+    one at a time, when Keras asks for them.
+
+    `iter()` opens the host iterator at once, as `iter()` of a `tf.data`
+    dataset does: each opening starts a new pass of a shuffle with
+    `reshuffle_each_iteration`, so the passes are the ones Keras opens
+    without a strategy. Nothing is read ahead: a read Keras does not ask for
+    would take an element from a Python generator or a `PyDataset`, or a draw
+    from a `tf.random.Generator` in a `map`, that one device would train on.
+
+    Args:
+        dataset: The batched `tf.data.Dataset` of Keras' data adapter.
+        placer: Packs each batch onto the mesh.
+        first_step_graphs: Told of every batch, to keep the first step's graphs.
+    """
+
+    def __init__(self, dataset: tf.data.Dataset, placer: BatchPlacer, first_step_graphs: FirstStepGraphs):
+        self._dataset = dataset
+        self._placer = placer
+        self._first_step_graphs = first_step_graphs
+
+    def __iter__(self) -> "OnDemandIterator":
+        known_length = int(self._dataset.cardinality()) != tf.data.UNKNOWN_CARDINALITY
+        with tf.device(_HOST):
+            host_iterator = iter(self._dataset)
+        return OnDemandIterator(host_iterator, self._placer, known_length, self._first_step_graphs)
+
+
+class OnDemandIterator:
+    """Iterator over an `OnDemandDataset`: each `next()` reads one host batch,
+    cuts it into its devices' shards and packs them onto the mesh, in the
+    caller's thread.
+    """
+
+    def __init__(
+        self,
+        host_iterator: Iterator,
+        placer: BatchPlacer,
+        known_length: bool,
+        first_step_graphs: FirstStepGraphs,
+    ):
+        self._host_iterator = host_iterator
+        self._placer = placer
+        self._known_length = known_length
+        self._first_step_graphs = first_step_graphs
+        first_step_graphs.on_new_iterator()
+        # Rows of the last batch when they do not divide the batch axis: a
+        # batch after it makes such batches more than the last one.
+        self._undivided_rows: int | None = None
+
+    def __iter__(self) -> "OnDemandIterator":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            with tf.device(_HOST):
+                batch = next(self._host_iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            self._first_step_graphs.finish()
+            if self._known_length:
+                raise StopIteration from None
+            # Keras stops an epoch of unknown length on OutOfRangeError; a plain
+            # StopIteration inside its step loop would leave it without outputs.
+            raise tf.errors.OutOfRangeError(None, None, "End of dataset.") from None
+        if self._undivided_rows is not None:
+            self._placer.warn_undivided(self._undivided_rows)
+        rows = self._placer.batch_rows(batch)
+        divides = rows is None or rows % self._placer.batch_parts == 0
+        self._undivided_rows = None if divides else rows
+        self._first_step_graphs.on_batch()
+        return pack(self._placer.split_batch(batch))
 
 
 class OneBatch(collections.namedtuple("OneBatch", ["batch"])):

@@ -9,7 +9,9 @@ axis), the call runs as a function on the mesh, and outputs come back whole.
 model's strategy which model runs (to lay it out with `layout_map="auto"`, and
 to keep its first step's graphs for `tfmp.comm_report`), and whether the
 batches they feed train it (a pipeline checks that a training batch splits
-into its micro-batches). Anything else passes through untouched. A pipeline
+into its micro-batches); `fit` and `evaluate` also that the pass Keras makes
+over their data to build the model is to read nothing
+(`tfmp.strategy.epoch_iterator`). Anything else passes through untouched. A pipeline
 model's `train_step` and `test_step` are the pipeline's
 (`tfmp.pipeline.keras_hooks`). A model with no `call()` of its own (a GAN
 with its own `train_step`) skips Keras' symbolic build, as it does without a
@@ -35,6 +37,7 @@ from tensorflow.python.framework import dtypes, ops
 
 from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy import errors
+from tfmp.strategy.epoch_iterator import build_pass_expected
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
@@ -101,8 +104,13 @@ def _running(model: Any, method: str) -> Iterator[None]:
         yield
         return
     extended.prepare(model)
-    with extended.feeding(trains=method in _TRAINING_METHODS):
-        yield
+    try:
+        with extended.feeding(trains=method in _TRAINING_METHODS):
+            yield
+    finally:
+        # Keras asks for no batch past an epoch of known length, where the
+        # graphs collected for the first steps would be kept: keep them now.
+        extended.first_step_graphs.finish()
 
 
 def prepared(method: Callable) -> Callable:
@@ -110,11 +118,13 @@ def prepared(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        build_pass = contextlib.nullcontext()
         if method.__name__ in ("fit", "evaluate") and placer_for(self) is not None:
             bound = signature.bind(self, *args, **kwargs)
             bound.arguments["callbacks"] = with_step_errors(bound.arguments.get("callbacks"))
             args, kwargs = bound.args[1:], bound.kwargs
-        with _running(self, method.__name__), explained_errors(self):
+            build_pass = build_pass_expected()
+        with _running(self, method.__name__), explained_errors(self), build_pass:
             return method(self, *args, **kwargs)
 
     return wrapper

@@ -170,13 +170,20 @@ class BatchPlacer:
     def check_batch(self, batch: Any, local_rows: bool = False) -> None:
         """Runs `check_rows` on a host batch's rows (with `local_rows`, the
         batch is this client's rows of a global batch)."""
+        rows = self.batch_rows(batch)
+        if self._check_rows is None or rows is None:
+            return
+        self._check_rows(rows * self.local_parts() if local_rows else rows)
+
+    def batch_rows(self, batch: Any) -> int | None:
+        """The rows of a host batch: dimension 0 of its first host array (None
+        when it has none)."""
         first = next(
             (v for v in tf.nest.flatten(batch) if _is_array(v) and not dtensor.is_dtensor(v)), None
         )
-        if self._check_rows is None or first is None or not len(first.shape):
-            return
-        rows = first.shape[0]
-        self._check_rows(rows * self.local_parts() if local_rows else rows)
+        if first is None or not len(first.shape):
+            return None
+        return first.shape[0]
 
     def local_parts(self) -> int:
         """How many clients' parts (distinct position sets) a batch has."""
@@ -218,18 +225,25 @@ class BatchPlacer:
         if rank == 0 or self.batch_parts == 1:
             return dtensor.Layout.replicated(mesh, rank)
         if shape[0] % self.batch_parts:
-            if not is_last_batch and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"tfmp: batch size {shape[0]} does not divide by mesh axis "
-                    f"{self.batch_axis!r} of size {self.batch_parts}, so such batches "
-                    f"run whole on every device of that axis (exact, but without data "
-                    f"parallelism). Use a batch size that is a multiple of "
-                    f"{self.batch_parts}.",
-                    stacklevel=3,
-                )
+            if not is_last_batch:
+                self.warn_undivided(shape[0])
             return dtensor.Layout.replicated(mesh, rank)
         return dtensor.Layout.batch_sharded(mesh, self.batch_axis, rank)
+
+    def warn_undivided(self, rows: int) -> None:
+        """Warns once that batches of `rows` rows, more than just the last
+        one, run without data parallelism."""
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"tfmp: batch size {rows} does not divide by mesh axis "
+            f"{self.batch_axis!r} of size {self.batch_parts}, so such batches "
+            f"run whole on every device of that axis (exact, but without data "
+            f"parallelism). Use a batch size that is a multiple of "
+            f"{self.batch_parts}.",
+            stacklevel=4,
+        )
 
 
 def pack(structure: Any) -> Any:

@@ -1,0 +1,86 @@
+"""Keras' epoch iterator for a model on a tfmp mesh: each element read once,
+when and as Keras reads it without a strategy.
+
+Under any tf.distribute strategy Keras' `fit` and `evaluate` first read a
+batch to build the model symbolically (`_maybe_symbolic_build`): that pass
+begins the data adapter's epoch and opens an iterator of its own, then
+`reset()` ends the epoch. Without a strategy only the `reset()` happens. The
+extra pass started another pass of a shuffle (each `iter()` moves a seeded
+`reshuffle_each_iteration` shuffle on), took a batch from a Python generator
+or moved a `tf.random.Generator` in a `map` on, and began a `PyDataset`'s
+epoch early: the first epoch trained on other rows than on one device.
+
+Here that pass reads nothing: it hands the build the dataset's element
+spec, whose shapes and dtypes are all the symbolic build uses (the batch
+dimension unknown, as in a `keras.Input`). Batches come from an
+`OnDemandDataset`, which reads nothing Keras does not ask for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+from keras.src.trainers.epoch_iterator import EpochIterator
+
+from tfmp.strategy.extended import extended_of
+from tfmp.strategy.input import OnDemandDataset
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def build_pass_expected() -> Iterator[None]:
+    """Keras' `fit` or `evaluate` of a tfmp model runs in the block: the next
+    pass over one of its epoch iterators, until a `reset()`, is the symbolic
+    build's."""
+    previous = getattr(_state, "build_pass", False)
+    _state.build_pass = True
+    try:
+        yield
+    finally:
+        _state.build_pass = previous
+
+
+class ReadOnceEpochs:
+    """What a tfmp model's `TFEpochIterator` does differently from Keras'
+    (mixed in before it by `read_once`)."""
+
+    def __init__(self, distribute_strategy: Any = None, *args: Any, **kwargs: Any):
+        # Keras' own __init__ would distribute the dataset with
+        # `experimental_distribute_dataset`, whose iterators read ahead.
+        EpochIterator.__init__(self, *args, **kwargs)
+        self._distribute_strategy = distribute_strategy
+        extended = extended_of(distribute_strategy)
+        extended.warn_unmatched_layout_rules()
+        dataset = self.data_adapter.get_tf_dataset()
+        self._element_spec = dataset.element_spec
+        self._distributed_dataset = OnDemandDataset(
+            dataset, extended.placer, extended.first_step_graphs
+        )
+
+    def __iter__(self) -> Any:
+        if not getattr(_state, "build_pass", False):
+            return super().__iter__()
+        _state.build_pass = False
+        self._epoch_iterator = iter([(0, self.steps_per_execution - 1, iter([self._element_spec]))])
+        return self
+
+    def reset(self) -> None:
+        # Keras resets right after its symbolic build, whether or not the
+        # build made a pass.
+        _state.build_pass = False
+        super().reset()
+
+
+def read_once(keras_class: type) -> Callable:
+    """Wraps Keras' `TFEpochIterator` class: for a model of a tfmp strategy,
+    an epoch iterator with `ReadOnceEpochs` mixed in; any other, Keras' own."""
+    read_once_class = type(keras_class.__name__, (ReadOnceEpochs, keras_class), {})
+
+    def epoch_iterator(*args: Any, distribute_strategy: Any = None, **kwargs: Any) -> Any:
+        chosen = keras_class if extended_of(distribute_strategy) is None else read_once_class
+        return chosen(*args, distribute_strategy=distribute_strategy, **kwargs)
+
+    return epoch_iterator
