@@ -52,11 +52,11 @@ def explain(error: tf.errors.OpError, model: Any) -> ValueError:
     function = _FUNCTION.search(text)
     layers = sorted({_layer_path(name) for name in _nodes_of_type(function.group(1), op)}) if function else []
     where = f"in layer {', '.join(map(repr, layers))}" if layers else "in the step"
-    variables = _variables_of(model, layers)
-    listed = "".join(f"\n  {path}: {axes}" for path, axes in variables)
     batch = _undivided_batch(cause, model)
     if batch is not None:
         return ValueError(_batch_message(op, where, model, cause, *batch))
+    variables = _variables_of(model, layers)
+    listed = "".join(f"\n  {path}: {axes}" for path, axes in variables)
     return ValueError(
         f"tfmp: DTensor cannot run op {op!r} {where} of model {model.name!r} on the "
         f"mesh: {cause}{chr(10) + 'Its variables and their layouts:' + listed if listed else ''}\n"
@@ -73,7 +73,8 @@ def _undivided_batch(cause: str, model: Any) -> tuple[int, str, int] | None:
     rule (variables are never split on a dimension the axis does not divide).
     """
     found = _UNDIVIDED.search(cause)
-    placer = getattr(getattr(model.distribute_strategy, "extended", None), "placer", None)
+    strategy = getattr(model, "distribute_strategy", None)
+    placer = getattr(getattr(strategy, "extended", None), "placer", None)
     if found is None or placer is None or placer.batch_axis is None:
         return None
     dimension, rows, shards = map(int, found.groups())
