@@ -3,7 +3,8 @@
 Each case is one Keras layer in a tiny model, a layout (its natural split by
 LayoutMap rules, or `layout_map="auto"`) and the meshes it runs on; each is
 trained with Adam for 4 steps on one device and on the mesh from the same
-weights, the last on a partial batch that does not divide by the batch axis,
+weights, the last on a partial batch that does not divide by the batch axis
+of the 2x4 mesh (3 whole batches on 1x8, whose batch axis divides any batch),
 and per-step losses, final weights and predictions must agree to 1e-5
 (`helpers.assert_parity`). Weights whose exact gradient is zero (a bias
 right before a normalization) move by float noise under Adam: they are
@@ -34,7 +35,7 @@ PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # in a step Keras traces again with an unknown batch size.
 BATCH_SIZE = 4
 N = 15
-STEPS = -(-N // BATCH_SIZE)
+STEPS = -(-N // BATCH_SIZE)  # on a 2x4 mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +64,10 @@ class Case:
     zero_gradient: str | None = None
     partial_batch: bool = True
 
-    @property
-    def samples(self) -> int:
-        return N if self.partial_batch else N - N % BATCH_SIZE
+    def samples(self, shape: tuple[int, int]) -> int:
+        """N, or whole batches only where no batch can be partial (a batch
+        axis of size 1) or the case opts out."""
+        return N if self.partial_batch and shape[0] > 1 else N - N % BATCH_SIZE
 
     @property
     def id(self) -> str:
@@ -271,13 +273,13 @@ def _model(case: Case) -> keras.Model:
     return keras.Model(inputs, outputs, name="case")
 
 
-def _data(case: Case, output_shape: tuple[int, ...]):
+def _data(case: Case, output_shape: tuple[int, ...], samples: int):
     rng = np.random.default_rng(0)
     if case.integer_inputs:
-        x = rng.integers(0, 16, size=(case.samples,) + case.input_shape).astype("int32")
+        x = rng.integers(0, 16, size=(samples,) + case.input_shape).astype("int32")
     else:
-        x = rng.normal(size=(case.samples,) + case.input_shape).astype("float32")
-    return x, rng.normal(size=(case.samples,) + output_shape).astype("float32")
+        x = rng.normal(size=(samples,) + case.input_shape).astype("float32")
+    return x, rng.normal(size=(samples,) + output_shape).astype("float32")
 
 
 def _parameters():
@@ -289,10 +291,11 @@ def _parameters():
 @pytest.mark.parametrize("case,shape", list(_parameters()))
 def test_layer_matches_single_device(case, shape):
     keras.utils.set_random_seed(1)
-    x, y = _data(case, tuple(_model(case).output.shape[1:]))
+    samples = case.samples(shape)
+    x, y = _data(case, tuple(_model(case).output.shape[1:]), samples)
     layout = (lambda device_mesh: "auto") if case.layout == "auto" else rules(case.layout)
     model = assert_parity(
-        lambda: _model(case), layout, x, y, mesh_shape=shape, steps=-(-case.samples // BATCH_SIZE), batch_size=BATCH_SIZE,
+        lambda: _model(case), layout, x, y, mesh_shape=shape, steps=-(-samples // BATCH_SIZE), batch_size=BATCH_SIZE,
         zero_gradient=case.zero_gradient,
     )
     if case.layout and case.layout != "auto" and shape[1] > 1:
@@ -306,7 +309,7 @@ def render_page() -> str:
     lines = [
         "# Supported layers",
         "",
-        f"Each row is a Keras layer in a tiny model, trained with Adam for {STEPS} steps",
+        f"Each row is a Keras layer in a tiny model, trained with Adam for {STEPS} steps (3 on 1x8)",
         "on one device and on the mesh from the same weights: per-step losses,",
         "final weights and predictions agree to 1e-5. Generated from",
         "`tests/test_supported_layers.py`, whose tests are these rows; a row is",
@@ -315,9 +318,10 @@ def render_page() -> str:
         "\"auto\" is `layout_map=\"auto\"` on a custom layer the planner opens.",
         "Random layers draw exactly one device's values for the whole tensor.",
         "",
-        f"Every row trains on {N} samples in batches of {BATCH_SIZE}, and predicts them",
-        f"so: the last batch, of {N % BATCH_SIZE} rows, does not divide by the batch axis of the",
-        "2x4 mesh (2). tfmp runs such a batch whole on every device of that axis,",
+        f"Every row trains on {N} samples in batches of {BATCH_SIZE} on the 2x4 mesh, and",
+        f"predicts them so: the last batch, of {N % BATCH_SIZE} rows, does not divide by its",
+        f"batch axis (2); on 1x8 no batch can (its batch axis has size 1: {N - N % BATCH_SIZE}",
+        "samples). tfmp runs such a batch whole on every device of that axis,",
         "in a step Keras traces again with an unknown batch size; there tfmp's",
         "rewritten ops (convolutions, image warps, tfmp's layers) keep the batch",
         "whole too, while batches of the first size keep their own step, split.",
