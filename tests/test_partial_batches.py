@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from helpers import (
     assert_parity, build_mlp, build_on, compile_mlp, initial_weights, mlp_data, mlp_layout_map, rules,
@@ -122,7 +123,8 @@ def test_partial_last_batch_through_a_filter_split_conv_and_global_pooling():
 
     layouts = {"conv/kernel": (None, None, None, "model"), "conv/bias": ("model",), "head/kernel": ("model", None)}
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(10, 6, 6, 3)).astype("float32"), rng.normal(size=(10, 4)).astype("float32")
+    # Batches of 4, 4 and 3 rows: the last does not divide by the batch axis (2).
+    x, y = rng.normal(size=(11, 6, 6, 3)).astype("float32"), rng.normal(size=(11, 4)).astype("float32")
     assert_parity(build, rules(layouts), x, y, steps=3, batch_size=4)
 
 
@@ -149,5 +151,66 @@ def test_partial_last_batch_through_clipped_activations_split_over_experts():
         return keras.Model(inputs, keras.layers.Dense(4, name="head")(ClippedExperts(name="experts")(inputs)))
 
     rng = np.random.default_rng(1)
-    x, y = rng.normal(size=(10, 6)).astype("float32"), rng.normal(size=(10, 4)).astype("float32")
+    x, y = rng.normal(size=(11, 6)).astype("float32"), rng.normal(size=(11, 4)).astype("float32")
     assert_parity(build, rules({"experts/bank": ("model", None, None)}), x, y, steps=3, batch_size=4)
+
+
+def build_token_classifier():
+    """Embedding, Conv1D, a residual MLP, LayerNormalization and pooling."""
+    tokens = keras.Input((8,), dtype="int32")
+    x = keras.layers.Embedding(50, 16, name="embed")(tokens)
+    x = keras.layers.Conv1D(16, 3, padding="same", activation="relu", name="conv")(x)
+    hidden = keras.layers.Dense(32, activation="relu", name="up")(x)
+    x = keras.layers.LayerNormalization(name="norm")(x + keras.layers.Dense(16, name="down")(hidden))
+    pooled = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(tokens, keras.layers.Dense(4, name="head")(pooled))
+
+
+TOKEN_CLASSIFIER_RULES = {
+    "conv/kernel": (None, None, "model"),
+    "conv/bias": ("model",),
+    "up/kernel": (None, "model"),
+    "up/bias": ("model",),
+    "down/kernel": ("model", None),
+}
+
+
+def token_data(n):
+    rng = np.random.default_rng(2)
+    return rng.integers(0, 50, size=(n, 8)).astype("int32"), rng.normal(size=(n, 4)).astype("float32")
+
+
+@pytest.mark.parametrize(
+    "shape,layout", [((2, 4), "auto"), ((2, 4), "rules"), ((8, 1), "rules")], ids=["2x4-auto", "2x4-rules", "8x1"]
+)
+def test_partial_last_batch_through_a_conv_stack_fits_evaluates_and_predicts(shape, layout):
+    """37 samples in batches of 8: the last batch of 5 divides neither by 2
+    nor by 8. Keras traces its step (and its evaluate and predict steps)
+    again with an unknown batch size, where the convolution laid its
+    activations out split over the batch axis (DTensor: "dimension size=5
+    is not divisible by number of shards")."""
+    layout_map_fn = (lambda device_mesh: "auto") if layout == "auto" else rules(TOKEN_CLASSIFIER_RULES)
+    x, y = token_data(37)
+    assert_parity(build_token_classifier, layout_map_fn, x, y, mesh_shape=shape, steps=5, batch_size=8, evaluate=True)
+
+
+class BatchSplitRows(keras.layers.Layer):
+    """Lays its input out split over the batch axis itself, as code written
+    for DTensor's own batch-split datasets does."""
+
+    def call(self, x):
+        mesh = tf.distribute.get_strategy().mesh.dtensor_mesh
+        return dtensor.relayout(x, dtensor.Layout.batch_sharded(mesh, "batch", x.shape.rank))
+
+
+def test_a_layer_that_splits_a_partial_batch_names_the_batch_and_the_fix():
+    strategy = strategy_on((2, 4))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, name="d"), BatchSplitRows()])
+        model.compile(optimizer="adam", loss="mse")
+    x = np.zeros((37, 6), "float32")
+    with pytest.raises(
+        ValueError,
+        match=r"a batch of 5 rows does not divide by mesh axis 'batch' of size 2(.|\n)*multiples of 2",
+    ):
+        model.fit(x, x[:, :4], batch_size=8, verbose=0)

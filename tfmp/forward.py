@@ -118,11 +118,19 @@ def batch_spec(inputs: Any, mesh: dtensor.Mesh, other_axis: str) -> str:
     That is the running strategy's batch axis, unless it is `other_axis` (the
     layer's own), missing from the mesh, or does not divide this batch (which
     the strategy then runs whole on every device).
+
+    A batch size unknown when traced is UNSHARDED too: Keras traces the step
+    again with an unknown batch size for a second size (the partial last
+    batch), and that trace runs batches the strategy split and batches it
+    left whole. A layout pinned split would stop the whole ones (DTensor:
+    "requires dimension 0 to be divisible by sharding"); pinned whole, both
+    run, and a batch split over the axis is gathered where pinned. Batches of
+    the size first traced keep their own trace, split.
     """
     batch_axis = getattr(tf.distribute.get_strategy(), "batch_axis", None)
     if batch_axis in (None, other_axis) or batch_axis not in mesh.dim_names:
         return dtensor.UNSHARDED
     size = inputs.shape[0]
-    if size is not None and size % mesh.dim_size(batch_axis):
+    if size is None or size % mesh.dim_size(batch_axis):
         return dtensor.UNSHARDED
     return batch_axis

@@ -607,7 +607,11 @@ def _window(start: tf.Tensor | None, stop: tf.Tensor | None, size: int | None) -
     """The start and length of `start:stop` (None: from the beginning, to the
     end) in a dimension of `size`. The length is known for fixed bounds and
     for bounds that add fixed numbers to one tensor (`a:a + k`,
-    `a - 1:a + 2`); else it is None."""
+    `a - 1:a + 2`); else it is None. A whole dimension is (0, -1): all of
+    it, whatever its size (the batch's is unknown when Keras traces the step
+    again for a second batch size)."""
+    if start is None and stop is None:
+        return 0, -1
     start_value = 0 if start is None else tf.get_static_value(start)
     stop_value = size if stop is None else tf.get_static_value(stop)
     if start_value is not None and stop_value is not None and size is not None:

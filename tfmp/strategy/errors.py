@@ -29,6 +29,10 @@ _DTENSOR_MARKERS = (
 )
 _OP = re.compile(r"'tf\.(\w+)' op|\"tf\.(\w+)\"\(")
 _FUNCTION = re.compile(r"\[Op:(__inference_\w+)\]")
+_UNDIVIDED = re.compile(
+    r"requires dimension (\d+) to be divisible by sharding.*?dimension size=(\d+) is not "
+    r"divisible by number of shards in layout for this dimension=(\d+)"
+)
 
 
 def is_dtensor_error(error: BaseException) -> bool:
@@ -48,12 +52,48 @@ def explain(error: tf.errors.OpError, model: Any) -> ValueError:
     function = _FUNCTION.search(text)
     layers = sorted({_layer_path(name) for name in _nodes_of_type(function.group(1), op)}) if function else []
     where = f"in layer {', '.join(map(repr, layers))}" if layers else "in the step"
+    batch = _undivided_batch(cause, model)
+    if batch is not None:
+        return ValueError(_batch_message(op, where, model, cause, *batch))
     variables = _variables_of(model, layers)
     listed = "".join(f"\n  {path}: {axes}" for path, axes in variables)
     return ValueError(
         f"tfmp: DTensor cannot run op {op!r} {where} of model {model.name!r} on the "
         f"mesh: {cause}{chr(10) + 'Its variables and their layouts:' + listed if listed else ''}\n"
         f"{_fix(cause)}"
+    )
+
+
+def _undivided_batch(cause: str, model: Any) -> tuple[int, str, int] | None:
+    """(rows, batch axis, its size) when `cause` is a layout that splits a
+    batch's rows over the batch axis, which that batch does not divide; else None.
+
+    Such a batch is one the strategy runs whole (a partial last batch); the
+    layout was pinned by an op written for split batches, not by a variable's
+    rule (variables are never split on a dimension the axis does not divide).
+    """
+    found = _UNDIVIDED.search(cause)
+    strategy = getattr(model, "distribute_strategy", None)
+    placer = getattr(getattr(strategy, "extended", None), "placer", None)
+    if found is None or placer is None or placer.batch_axis is None:
+        return None
+    dimension, rows, shards = map(int, found.groups())
+    if dimension != 0 or shards != placer.batch_parts:
+        return None
+    return rows, placer.batch_axis, shards
+
+
+def _batch_message(op: str, where: str, model: Any, cause: str, rows: int, axis: str, size: int) -> str:
+    return (
+        f"tfmp: a batch of {rows} rows does not divide by mesh axis {axis!r} of size "
+        f"{size}, so tfmp runs it whole on every device of that axis (exact, as one "
+        f"device), but op {op!r} {where} of model {model.name!r} lays its rows out "
+        f"split over {axis!r}: {cause}\n"
+        f"Fix: use a batch size, and a number of samples, that are multiples of {size} "
+        "(or drop the short last batch: Dataset.batch(..., drop_remainder=True)). In "
+        "a layer of your own, do not relayout activations to a batch-split layout "
+        "(dtensor.relayout): tfmp's batch placer decides the batch's layout. If "
+        "no layer of yours does, tell tfmp's issue tracker which Keras layer it is."
     )
 
 
