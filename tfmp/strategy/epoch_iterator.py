@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 from keras.src.trainers.epoch_iterator import EpochIterator
 
 from tfmp.strategy.extended import extended_of
-from tfmp.strategy.input import OnDemandDataset
+from tfmp.strategy.input import MeshDataset, OnDemandDataset
 
 _state = threading.local()
 
@@ -56,9 +56,14 @@ class ReadOnceEpochs:
         extended.warn_unmatched_layout_rules()
         dataset = self.data_adapter.get_tf_dataset()
         self._element_spec = dataset.element_spec
-        self._distributed_dataset = OnDemandDataset(
-            dataset, extended.placer, extended.first_step_graphs
-        )
+        if isinstance(dataset, MeshDataset):
+            # Already the mesh's (`distribute_datasets_from_function`: each
+            # client packs its own rows), as Keras takes a distributed dataset.
+            self._distributed_dataset = dataset
+        else:
+            self._distributed_dataset = OnDemandDataset(
+                dataset, extended.placer, extended.first_step_graphs
+            )
 
     def __iter__(self) -> Any:
         if not getattr(_state, "build_pass", False):
