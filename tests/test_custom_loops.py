@@ -255,21 +255,101 @@ def test_reductions_and_local_results_are_mirrored_strategys():
     assert got == want
 
 
-def test_a_distributed_dataset_in_a_tf_function_epoch_is_a_named_error():
-    strategy = tfmp.ModelParallelStrategy(mesh((8, 1)))
-    dist_dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices(DATA).batch(GLOBAL_BATCH_SIZE)
-    )
+def in_function_epoch_program(strategy, closes_over_dataset):
+    """The tutorial's variant that iterates the dataset inside a
+    `tf.function`: two epochs of a shuffled dataset (a new order each epoch),
+    with the dataset passed to the epoch function or closed over by it.
+    Returns the epoch losses and the final weights."""
+    GLOBAL = (GLOBAL_BATCH_SIZE // strategy.num_replicas_in_sync) * strategy.num_replicas_in_sync
+    dataset = tf.data.Dataset.from_tensor_slices(DATA).shuffle(37, seed=3).batch(GLOBAL)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    with strategy.scope():
+        model = build_mlp()
+        model.set_weights(WEIGHTS)
+        optimizer = keras.optimizers.Adam(0.01)
+    loss_object = keras.losses.MeanSquaredError(reduction=None)
+
+    def train_step(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(
+                loss_object(labels, model(features, training=True)), global_batch_size=GLOBAL
+            )
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    def train_epoch(dataset):
+        total_loss, num_batches = 0.0, 0
+        for x in dataset:
+            per_replica_losses = strategy.run(train_step, args=(x,))
+            total_loss += strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+            num_batches += 1
+        return total_loss / tf.cast(num_batches, tf.float32)
+
+    if closes_over_dataset:
+        distributed_train_epoch = tf.function(lambda: train_epoch(dist_dataset))
+        losses = [float(distributed_train_epoch()) for _ in range(2)]
+    else:
+        distributed_train_epoch = tf.function(train_epoch)
+        losses = [float(distributed_train_epoch(dist_dataset)) for _ in range(2)]
+    return losses, model.get_weights()
+
+
+@pytest.fixture(scope="module")
+def one_device_in_function_epochs():
+    return in_function_epoch_program(tf.distribute.get_strategy(), closes_over_dataset=False)
+
+
+@pytest.mark.parametrize("closes_over_dataset", [False, True], ids=["argument", "closure"])
+def test_an_epoch_iterated_inside_a_tf_function_trains_as_one_device(
+    closes_over_dataset, one_device_in_function_epochs
+):
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
+    losses, weights = in_function_epoch_program(strategy, closes_over_dataset)
+    want_losses, want_weights = one_device_in_function_epochs
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_weights_close(want_weights, weights)
+
+
+def test_an_epoch_in_a_tf_function_whose_batches_change_is_a_named_error():
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)))
+    epoch_rows = iter([16, 8])  # two batches while tracing, then one
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(np.ones((next(epoch_rows), 4), "float32")),
+        output_signature=tf.TensorSpec((4,), tf.float32),
+    ).batch(GLOBAL_BATCH_SIZE)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
 
     @tf.function
-    def distributed_train_epoch(dataset):
+    def epoch_sum():
         total = 0.0
-        for features, _ in dataset:
+        for batch in dist_dataset:
+            total += strategy.reduce("SUM", strategy.run(tf.reduce_sum, args=(batch,)), axis=None)
+        return total
+
+    assert float(epoch_sum()) == 64.0
+    with pytest.raises(ValueError, match=r"compiled for the batches of the epoch it was traced.*iterate it eagerly"):
+        epoch_sum()
+
+
+def test_next_on_an_iterator_inside_a_tf_function_is_a_named_error():
+    strategy = tfmp.ModelParallelStrategy(mesh((8, 1)))
+    iterator = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(DATA).batch(GLOBAL_BATCH_SIZE)
+    ))
+
+    @tf.function
+    def distributed_train_steps(iterator):
+        total = 0.0
+        for _ in tf.range(2):
+            features, _ = next(iterator)
             total += strategy.reduce("SUM", strategy.run(tf.reduce_sum, args=(features,)), axis=None)
         return total
 
-    with pytest.raises(TypeError, match=r"cannot be iterated inside a tf.function.*Iterate it eagerly"):
-        distributed_train_epoch(dist_dataset)
+    with pytest.raises(RuntimeError, match=r"call next\(\) outside tf.function"):
+        distributed_train_steps(iterator)
 
 
 def test_auto_layout_of_a_model_not_built_before_the_first_step_is_a_named_error():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -32,7 +33,9 @@ class MeshDataset:
     partial last batch work (DTensor's own dataset drops the remainder). Its
     iterator is a plain Python iterator, which makes Keras run one step function
     call per batch rather than a `tf.while_loop` over an iterator (whose
-    optionals DTensor cannot lay out).
+    optionals DTensor cannot lay out). Iterated inside a `tf.function`, it
+    gives the epoch's batches as inputs of the function, read on the host at
+    each call.
 
     Args:
         dataset: A batched `tf.data.Dataset`.
@@ -66,17 +69,9 @@ class MeshDataset:
     def element_spec(self) -> Any:
         return self._dataset.element_spec
 
-    def __iter__(self) -> "MeshIterator":
+    def __iter__(self) -> "MeshIterator | Iterator[Any]":
         if not tf.executing_eagerly():
-            raise TypeError(
-                "A distributed dataset of tfmp's ModelParallelStrategy is read on "
-                "the host, batch by batch, so it cannot be iterated inside a "
-                "tf.function (`for batch in dist_dataset:` in a compiled epoch). "
-                "Iterate it eagerly and compile the step: `for batch in "
-                "dist_dataset: loss = distributed_train_step(batch)` with "
-                "`@tf.function` on distributed_train_step, as TensorFlow's "
-                "custom training tutorial does."
-            )
+            return iter(_call_time_epoch(self))
         cardinality = int(self._dataset.cardinality())
         # tf_keras iterates inside the strategy's scope, whose default device
         # is the mesh: the host pipeline must stay on the host.
@@ -91,6 +86,72 @@ class MeshDataset:
             self._on_batch,
             self.element_spec,
         )
+
+
+def _call_time_epoch(dataset: MeshDataset) -> list[Any]:
+    """The batches of one epoch as inputs of the `tf.function` being traced,
+    read on the host at each call.
+
+    How `for batch in dist_dataset:` runs inside a compiled epoch: the loop is
+    unrolled over the epoch's batches, each a separate input of the function
+    (so a partial last batch keeps its own shape and layout). Tracing reads
+    one epoch to learn the batches, which the first call trains on; each
+    later call reads a new epoch, as `for` over a `tf.data.Dataset` in a
+    `tf.function` opens a new iterator at each call.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    with tf.init_scope():
+        epoch = _HostEpoch(dataset, _read_epoch(dataset))
+    placeholders = [
+        graph.capture_call_time_value(
+            functools.partial(epoch.leaf, index), tf.TensorSpec(value.shape, value.dtype)
+        )
+        for index, value in enumerate(epoch.leaves)
+    ]
+    return tf.nest.pack_sequence_as(epoch.batches, placeholders)
+
+
+def _read_epoch(dataset: MeshDataset) -> list[Any]:
+    """All batches of one pass over `dataset`, on the mesh."""
+    batches = []
+    try:
+        for batch in dataset:
+            batches.append(batch)
+    except tf.errors.OutOfRangeError:  # the end of a dataset of unknown length
+        pass
+    return batches
+
+
+class _HostEpoch:
+    """The batches on the mesh that a call of a compiled epoch trains on,
+    handed out leaf by leaf as the call asks for its inputs; once all are
+    handed out, the next call's ask reads a new epoch."""
+
+    def __init__(self, dataset: MeshDataset, batches: list[Any]):
+        self._dataset = dataset
+        self.batches = batches
+        self.leaves: list[tf.Tensor] | None = tf.nest.flatten(batches)
+        self._specs = [(value.shape, value.dtype) for value in self.leaves]
+        self._unread = len(self.leaves)
+
+    def leaf(self, index: int) -> tf.Tensor:
+        if self.leaves is None:
+            self.leaves = tf.nest.flatten(_read_epoch(self._dataset))
+            specs = [(value.shape, value.dtype) for value in self.leaves]
+            if specs != self._specs:
+                raise ValueError(
+                    "A tf.function that iterates a distributed dataset of tfmp's "
+                    "ModelParallelStrategy is compiled for the batches of the epoch it "
+                    f"was traced with ({self._specs}), but this epoch has others "
+                    f"({specs}). Keep the dataset's batches the same from epoch to "
+                    "epoch, or iterate it eagerly and compile the step."
+                )
+            self._unread = len(self.leaves)
+        value = self.leaves[index]
+        self._unread -= 1
+        if self._unread == 0:
+            self.leaves = None
+        return value
 
 
 class ClientMeshDataset(MeshDataset, input_lib.DistributedDatasetsFromFunction):
