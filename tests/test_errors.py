@@ -239,3 +239,26 @@ def test_while_loop_in_a_training_step_says_how_to_unroll_it():
     x = np.ones((8, 4), "float32")
     with pytest.raises(ValueError, match=r"TensorList(.|\n)*fori_loop with Python bounds"):
         model.fit(x, x, batch_size=8, verbose=0)
+
+
+def test_layout_map_key_that_is_no_regex_is_named_where_it_is_set():
+    layout_map = tfmp.LayoutMap(mesh((2, 4)))
+    with pytest.raises(ValueError, match=r"key 'up\[kernel' is not a valid regular expression.*re\.escape"):
+        layout_map["up[kernel"] = (None, "model")
+
+
+def test_fully_shard_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"fully_shard must be True or False, got 'no' \(str\)"):
+        tfmp.ModelParallelStrategy(mesh((2, 4)), fully_shard="no")
+
+
+def test_layout_map_of_another_mesh_is_refused():
+    written_for = tfmp.LayoutMap(mesh((2, 4)))
+    written_for["up/kernel"] = (None, "model")
+    with pytest.raises(ValueError, match=r"LayoutMap was built on DeviceMesh\(batch=2, model=4.*strategy's\s+mesh is DeviceMesh\(batch=4, model=2"):
+        tfmp.ModelParallelStrategy(mesh((4, 2)), written_for)
+    keras_map = keras.distribution.LayoutMap(
+        keras.distribution.DeviceMesh((2, 4), ("batch", "model"), [f"cpu:{i}" for i in range(8)])
+    )
+    with pytest.raises(ValueError, match=r"keras.distribution.LayoutMap was built on a mesh of shape \(2, 4\)"):
+        tfmp.ModelParallelStrategy(mesh((1, 8)), keras_map)

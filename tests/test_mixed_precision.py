@@ -73,6 +73,15 @@ def largest_difference(a, b):
     return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b, strict=True))
 
 
+def distance(run, reference):
+    """The largest loss and weight differences of a `(losses, weights)` run from another."""
+    (losses, weights), (reference_losses, reference_weights) = run, reference
+    return {
+        "loss": float(np.max(np.abs(losses - reference_losses))),
+        "weights": largest_difference(weights, reference_weights),
+    }
+
+
 def megatron_strategy():
     device_mesh = mesh((2, 4))
     return tfmp.ModelParallelStrategy(device_mesh, megatron_layout_map(device_mesh))
@@ -89,14 +98,8 @@ def test_mixed_bfloat16_decoder_is_as_close_to_float64_as_one_device(lm_weights)
     assert model.get_layer("ffn_in").compute_dtype == "bfloat16"
     assert model.get_layer("ffn_in").kernel.dtype == "float32"
     assert list(model.get_layer("ffn_in").kernel.value.layout.sharding_specs) == ["unsharded", "model"]
-    one_device = {
-        "loss": float(np.max(np.abs(losses - exact_losses))),
-        "weights": largest_difference(weights, exact_weights),
-    }
-    on_mesh = {
-        "loss": float(np.max(np.abs(mesh_losses - exact_losses))),
-        "weights": largest_difference(mesh_weights, exact_weights),
-    }
+    one_device = distance((losses, weights), (exact_losses, exact_weights))
+    on_mesh = distance((mesh_losses, mesh_weights), (exact_losses, exact_weights))
     print(f"to float64: one device {one_device}, mesh {on_mesh}; mesh to one device: "
           f"loss {np.max(np.abs(mesh_losses - losses)):.1e}, "
           f"weights {largest_difference(mesh_weights, weights):.1e}")
@@ -117,14 +120,8 @@ def test_mixed_float16_with_loss_scaling_matches_one_device_to_rounding(lm_weigh
     assert float(model.optimizer.dynamic_scale) == float(reference.optimizer.dynamic_scale)
     assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
     assert int(reference.optimizer.iterations) < len(losses)  # some steps were skipped
-    yardstick = {
-        "loss": float(np.max(np.abs(reversed_losses - losses))),
-        "weights": largest_difference(reversed_weights, weights),
-    }
-    on_mesh = {
-        "loss": float(np.max(np.abs(mesh_losses - losses))),
-        "weights": largest_difference(mesh_weights, weights),
-    }
+    yardstick = distance((reversed_losses, reversed_weights), (losses, weights))
+    on_mesh = distance((mesh_losses, mesh_weights), (losses, weights))
     print(f"to one device: rows reversed {yardstick}, mesh {on_mesh}")
     # Reversed rows reorder the batch's sums only, not those over features
     # the "model" axis splits: the losses are held to one float16 rounding.

@@ -51,7 +51,6 @@ class Case:
         meshes: ("batch", "model") mesh shapes it runs on.
         integer_inputs: Inputs are token ids below 16.
         zero_gradient: Regex of weights whose exact gradient is zero.
-        partial_batch: Whether the last batch is partial (else 3 whole batches).
     """
 
     layer: str
@@ -62,12 +61,11 @@ class Case:
     meshes: tuple[tuple[int, int], ...] = ((2, 4),)
     integer_inputs: bool = False
     zero_gradient: str | None = None
-    partial_batch: bool = True
 
     def samples(self, shape: tuple[int, int]) -> int:
         """N, or whole batches only where no batch can be partial (a batch
-        axis of size 1) or the case opts out."""
-        return N if self.partial_batch and shape[0] > 1 else N - N % BATCH_SIZE
+        axis of size 1)."""
+        return N if shape[0] > 1 else N - N % BATCH_SIZE
 
     @property
     def id(self) -> str:
@@ -105,7 +103,7 @@ CASES = (
     Case("Embedding", "vocabulary", lambda: L.Embedding(16, 8, name="layer"), (5,),
          {"layer/embeddings": (MODEL, None)}, integer_inputs=True),
     Case("Embedding", "vocabulary and hidden over batch", lambda: L.Embedding(16, 8, name="layer"), (5,),
-         {"layer/embeddings": (MODEL, "batch")}, integer_inputs=True, partial_batch=False),
+         {"layer/embeddings": (MODEL, "batch")}, integer_inputs=True),
     Case("LayerNormalization", "gamma, beta", lambda: L.LayerNormalization(name="layer"), (8,),
          {"layer/gamma": (MODEL,), "layer/beta": (MODEL,)}),
     Case("GroupNormalization", "gamma, beta", lambda: L.GroupNormalization(4, name="layer"), (4, 8),
@@ -325,11 +323,6 @@ def render_page() -> str:
         "in a step Keras traces again with an unknown batch size; there tfmp's",
         "rewritten ops (convolutions, image warps, tfmp's layers) keep the batch",
         "whole too, while batches of the first size keep their own step, split.",
-        "Rows whose result says \"whole batches only\" train on 3 whole batches: an",
-        "`Embedding` whose table is split over the batch axis (gathered on use)",
-        "stops on a partial last batch with DTensor's \"output layout of Relayout",
-        "op after layout propagation does not match\" in its `RelayoutLike`",
-        "(open).",
         "",
         "The image warps (`RandomRotation`, `RandomZoom`, `RandomTranslation`,",
         "`RandomShear`, `RandomPerspective`) run tfmp's form of TensorFlow's",
@@ -402,8 +395,7 @@ def render_page() -> str:
     ]
     for case in CASES:
         meshes = ", ".join(f"{b}x{m}" for b, m in case.meshes)
-        result = "same numbers as one device" + ("" if case.partial_batch else ", whole batches only")
-        lines.append(f"| `{case.layer}` | {case.split} | {meshes} | {result} |")
+        lines.append(f"| `{case.layer}` | {case.split} | {meshes} | same numbers as one device |")
     return "\n".join(lines) + "\n"
 
 

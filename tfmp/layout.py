@@ -110,6 +110,13 @@ class LayoutMap(collections.abc.MutableMapping):
     def __setitem__(self, key: str, axes: Any) -> None:
         if not isinstance(key, str):
             raise TypeError(f"LayoutMap keys are regex strings, got {key!r}.")
+        try:
+            re.compile(key)
+        except re.error as error:
+            raise ValueError(
+                f"LayoutMap key {key!r} is not a valid regular expression ({error}). "
+                f"Fix the pattern, or match the text literally with re.escape({key!r})."
+            ) from None
         if key in self._rules:
             raise ValueError(
                 f"LayoutMap already has a rule for {key!r}: {self._rules[key]}. Each "
@@ -242,13 +249,24 @@ def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
     A tfmp `LayoutMap` is used as is, so rules added to it later still apply.
     """
     if isinstance(layout_map, LayoutMap):
-        if layout_map.mesh.axis_names != mesh.axis_names:
+        if layout_map.mesh != mesh:
             raise ValueError(
-                f"The LayoutMap's mesh axes {layout_map.mesh.axis_names} differ from "
-                f"the strategy's mesh axes {mesh.axis_names}; build the LayoutMap "
-                "on the strategy's mesh."
+                f"The LayoutMap was built on {layout_map.mesh!r}, but the strategy's "
+                f"mesh is {mesh!r}: its rules would lay variables out over another "
+                "mesh than the one they were written for. Build the LayoutMap on the "
+                "strategy's mesh, tfmp.LayoutMap(mesh), and copy the rules over "
+                "(`for key, axes in old.items(): new[key] = axes`)."
             )
         return layout_map
+    keras_mesh = getattr(layout_map, "device_mesh", None)
+    if keras_mesh is not None and (
+        tuple(keras_mesh.shape), tuple(keras_mesh.axis_names)
+    ) != (mesh.shape, mesh.axis_names):
+        raise ValueError(
+            f"The keras.distribution.LayoutMap was built on a mesh of shape "
+            f"{tuple(keras_mesh.shape)} and axes {tuple(keras_mesh.axis_names)}, but the "
+            f"strategy's mesh is {mesh!r}. Build the LayoutMap on the strategy's mesh."
+        )
     converted = LayoutMap(mesh)
     if layout_map is None:
         return converted

@@ -549,7 +549,13 @@ def _rows_on_every_device(var: MeshVariable, gradient: tf.IndexedSlices) -> tf.I
     first, each device sums all of them, in one device's order, straight into
     its part of the table: one gather of the rows, no table-sized reduction.
     Kept as is when the gradient has as many rows as the table or more, where
-    reducing the table moves fewer bytes.
+    reducing the table moves fewer bytes. Rows of unknown number (the step
+    Keras traces again for a partial last batch, which tfmp runs whole) are
+    gathered too: kept as they came, they took the table's layout from the
+    sums, and a table split over the batch axis (`("model", "batch")`) put
+    that axis on their features, which the lookup's gradient cannot take
+    (DTensor: "output layout of Relayout op after layout propagation does
+    not match", in `RelayoutLike`).
 
     The rows are made replicated first: DTensor also propagates a
     relayout's layout back into the ops that made its input, and pushed
@@ -558,7 +564,7 @@ def _rows_on_every_device(var: MeshVariable, gradient: tf.IndexedSlices) -> tf.I
     pipeline's sum of micro-batches' rows).
     """
     rows = gradient.values.shape[0]
-    if rows is None or rows >= var.shape[0] or gradient.values.shape.rank != var.shape.rank:
+    if gradient.values.shape.rank != var.shape.rank or (rows or 0) >= var.shape[0]:
         return gradient
     mesh = var.layout.mesh
     values = replicated(gradient.values, mesh)

@@ -87,6 +87,11 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         fully_shard: bool = False,
     ):
         mesh = as_device_mesh(mesh)
+        if not isinstance(fully_shard, bool):
+            raise TypeError(
+                f"fully_shard must be True or False, got {fully_shard!r} "
+                f"({type(fully_shard).__name__}): a string such as 'no' would count as True."
+            )
         stages = stage_hooks_for(mesh, num_microbatches, schedule)
         self.num_microbatches = num_microbatches
         self.schedule = schedule
