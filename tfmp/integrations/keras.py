@@ -71,6 +71,16 @@ PATCHES = (
         parameters=("distribute_strategy",),
     ),
     Patch(
+        "keras.src.trainers.compile_utils:CompileLoss",
+        "call",
+        "tfmp.strategy.epoch_iterator:loss_trackers_weighted_as_on_one_device",
+        "Each output's loss is logged weighed by the static batch size of the "
+        "step's trace, which on a mesh is known for whole batches and unknown "
+        "for a last one that does not divide the batch axis: other logs than "
+        "on one device.",
+        parameters=("y_true", "y_pred", "sample_weight"),
+    ),
+    Patch(
         _TRAINER,
         "_make_function",
         "tfmp.strategy.steps_per_call:steps_per_call",

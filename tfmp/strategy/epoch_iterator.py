@@ -19,15 +19,19 @@ dimension unknown, as in a `keras.Input`). Batches come from an
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Iterator
 
 from keras.src.trainers.epoch_iterator import EpochIterator
 
+import tensorflow as tf
+
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.input import MeshDataset, OnDemandDataset
 
 _state = threading.local()
+_UNSET = object()
 
 
 @contextlib.contextmanager
@@ -72,6 +76,18 @@ class ReadOnceEpochs:
         self._epoch_iterator = iter([(0, self.steps_per_execution - 1, iter([self._element_spec]))])
         return self
 
+    @contextlib.contextmanager
+    def catch_stop_iteration(self) -> Iterator[None]:
+        # Keras runs every step of the epoch in this block.
+        first = tf.nest.flatten(self._element_spec)[0]
+        previous = getattr(_state, "spec_rows", _UNSET)
+        _state.spec_rows = first.shape[0] if first.shape.rank else None
+        try:
+            with super().catch_stop_iteration():
+                yield
+        finally:
+            _state.spec_rows = previous
+
     def reset(self) -> None:
         # Keras resets right after its symbolic build, whether or not the
         # build made a pass.
@@ -89,3 +105,39 @@ def read_once(keras_class: type) -> Callable:
         return chosen(*args, distribute_strategy=distribute_strategy, **kwargs)
 
     return epoch_iterator
+
+
+def loss_trackers_weighted_as_on_one_device(call: Callable) -> Callable:
+    """Keras' `CompileLoss.call`: in a step of a tfmp epoch, the per-output
+    loss trackers (`<output>_loss` in the logs) weigh the batch as one device
+    does.
+
+    Keras weighs each output's loss by the static batch size of the step's
+    trace. One device traces `fit`'s step once, from the dataset's element
+    spec: with its batch dimension unknown, every batch weighs one. tfmp's
+    step is traced from the batch on the mesh (its size known, to split it),
+    and again with an unknown size for a last batch that does not divide the
+    batch axis: the last batch weighed 1 where the others weighed their rows.
+    """
+
+    @functools.wraps(call)
+    def wrapper(self, y_true, y_pred, sample_weight=None):
+        rows = getattr(_state, "spec_rows", _UNSET)
+        if rows is not None or tf.executing_eagerly():
+            return call(self, y_true, y_pred, sample_weight)
+        if not self.built:
+            self.build(y_true, y_pred)
+        trackers = [tracker for tracker in self.metrics if tracker is not None]
+        for tracker in trackers:
+            tracker.update_state = functools.partial(_weighing_one, type(tracker).update_state, tracker)
+        try:
+            return call(self, y_true, y_pred, sample_weight)
+        finally:
+            for tracker in trackers:
+                del tracker.update_state
+
+    return wrapper
+
+
+def _weighing_one(update_state: Callable, tracker: Any, values: Any, sample_weight: Any = None) -> Any:
+    return update_state(tracker, values, sample_weight=None)

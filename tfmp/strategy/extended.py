@@ -454,7 +454,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
 
     def _update(self, var, fn, args, kwargs, group):
         if args:
-            args = (_gradient_for(var, args[0], self.placer.batch_axis),) + tuple(args[1:])
+            args = (_gradient_for(var, args[0]),) + tuple(args[1:])
         fn = self.stages.update_on_stage(var, fn)  # a pipeline stage's weight: on its mesh
         return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
 
@@ -520,7 +520,7 @@ def _off_mesh_if_eager(value: tf.Tensor) -> tf.Tensor:
     return to_host(value) if tf.executing_eagerly() else value
 
 
-def _gradient_for(var: Any, gradient: Any, batch_axis: str | None) -> Any:
+def _gradient_for(var: Any, gradient: Any) -> Any:
     """The gradient an optimizer applies to `var`, laid out like `var`.
 
     tf_keras' legacy optimizers write with fused kernels (`ResourceApplyAdam`,
@@ -532,15 +532,13 @@ def _gradient_for(var: Any, gradient: Any, batch_axis: str | None) -> Any:
     if not isinstance(var, MeshVariable) or tf.executing_eagerly():
         return gradient
     if isinstance(gradient, tf.IndexedSlices):
-        return _rows_on_every_device(var, gradient, batch_axis)
+        return _rows_on_every_device(var, gradient)
     if isinstance(gradient, tf.Tensor) and gradient.shape == var.shape:
         return dtensor.relayout(gradient, var.layout)
     return gradient
 
 
-def _rows_on_every_device(
-    var: MeshVariable, gradient: tf.IndexedSlices, batch_axis: str | None
-) -> tf.IndexedSlices:
+def _rows_on_every_device(var: MeshVariable, gradient: tf.IndexedSlices) -> tf.IndexedSlices:
     """`gradient` (rows of `var`, an embedding's) with every row on every
     device, its other dimensions split as `var`'s.
 
@@ -552,15 +550,17 @@ def _rows_on_every_device(
     its part of the table: one gather of the rows, no table-sized reduction.
     Kept as is when the gradient has as many rows as the table or more, where
     reducing the table moves fewer bytes. Rows of unknown number (the step
-    Keras traces again for a partial last batch, which tfmp runs whole; every
-    step of tf_keras' `fit`) are gathered only for a table whose features are
-    split over the batch axis (`("model", "batch")`): kept as they came, they
-    took the table's layout from the sums and that axis on their features,
-    which the lookup's gradient cannot take (DTensor: "output layout of
-    Relayout op after layout propagation does not match", in `RelayoutLike`).
-    Other tables keep them as they came: gathered, DTensor expands the
-    unknown number of rows to none (`DTensorAllScatter` "computed output
-    shape 0").
+    Keras traces again for a partial last batch; every step of tf_keras'
+    `fit`) are gathered only for a table whose features are split in storage
+    and gathered for the lookup (`gather_on_use`, a fully sharded
+    `("model", "batch")`): kept as they came, they took the table's split
+    from the sums, and DTensor pushed it back onto the lookup's output, which
+    the layers above cannot take ("requires dimension 1 to be divisible", a
+    concatenation of 30 features over 4 devices; "output layout of Relayout
+    op after layout propagation does not match" in `RelayoutLike`). A table
+    looked up split keeps them: its rows come split like its features, and
+    gathering rows of unknown number made DTensor expand them to none (a
+    tf_keras BERT encoder: `DTensorAllScatter` "computed output shape 0").
 
     The rows are made replicated first: DTensor also propagates a
     relayout's layout back into the ops that made its input, and pushed
@@ -572,7 +572,7 @@ def _rows_on_every_device(
     if gradient.values.shape.rank != var.shape.rank:
         return gradient
     if rows is None:
-        if batch_axis not in var.layout.sharding_specs[1:]:
+        if not set(var.layout.sharding_specs[1:]) & set(var.gathered_axes):
             return gradient
     elif rows >= var.shape[0]:
         return gradient
