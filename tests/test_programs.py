@@ -170,13 +170,10 @@ def test_multi_input_multi_output_program_trains_as_on_one_device():
 
 
 def test_checkpoint_early_stopping_and_plateau_then_load_and_train_on(tmp_path):
-    # Rules, not "auto": a model that load_model restores with its optimizer
-    # built cannot be planned by layout_map="auto" any more (a named error).
-    strategy = tfmp.ModelParallelStrategy(
-        mesh((2, 4)), {"up/kernel": (None, "model"), "up/bias": ("model",), "down/kernel": ("model", None)}
-    )
+    # load_model restores the best model with its optimizer, whose slots
+    # layout_map="auto" lays out with the model before they are made.
     reference = callbacks_program(on_one_device(), str(tmp_path / "one"))
-    mesh_run = callbacks_program(strategy, str(tmp_path / "mesh"))
+    mesh_run = callbacks_program(on_mesh(), str(tmp_path / "mesh"))
     assert_splits_over_model(mesh_run[0])
     assert len(reference[1]["loss"]) < 4, "EarlyStopping did not stop the run early"
     assert min(reference[1]["learning_rate"]) < 0.05, "ReduceLROnPlateau did not cut the rate"

@@ -53,6 +53,16 @@ PATCHES = (
         for name in ("train_step", "test_step")
     ),
     Patch(
+        "keras.src.optimizers.base_optimizer:BaseOptimizer",
+        "build",
+        f"{_HOOKS}:laid_out_before_slots",
+        "With layout_map='auto', an optimizer built before the first step "
+        "(load_model of a compiled model, a checkpoint restored into a custom "
+        "loop) would index the model's variables and make their slots before "
+        "tfmp lays the model out.",
+        parameters=("variables",),
+    ),
+    Patch(
         "keras.src.trainers.trainer:Trainer",
         "_symbolic_build",
         f"{_HOOKS}:built_without_call",

@@ -79,6 +79,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         self._checked_layout_map = False
         # The variables that optimizers have made slots for.
         self._with_slots: set[Any] = set()
+        # The variables `layout_map="auto"` has laid out.
+        self._planned_values: set[Any] = set()
         # The Keras models made in the strategy's scope (`made_in_scope`).
         self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()
         # How many Keras fit/evaluate/predict/*_on_batch calls run now: Keras
@@ -217,14 +219,15 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def apply_auto_layouts(self, model: Any) -> None:
         """With `layout_map="auto"`: plans the model's layouts and moves its
         variables to them, once, before its optimizer has slots."""
-        if self.auto_axis is None or model.__dict__.get("_tfmp_auto_planned"):
+        if self.auto_axis is None or self._is_planned(model):
             return
-        if not has_weights(model) or any(o.built for o in _optimizers_of(model)):
+        if not has_weights(model) or self._has_slots(model):
             raise ValueError(
                 f"layout_map='auto' lays out model {model.name!r} before it first "
                 "trains or predicts, so the model must be built (give it a "
                 "keras.Input, or call model.build(input_shape) in the strategy's "
-                "scope) and its optimizer not yet built."
+                "scope) and no optimizer may have made its variables yet (build "
+                "or load it in `with strategy.scope():`)."
             )
         object.__setattr__(model, "_tfmp_auto_planned", True)
         plan = auto_layout(model, self.mesh, self.auto_axis)
@@ -242,6 +245,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 variable, layout, gathered=gathered_axes(self.placer.batch_axis, rule=match)
             )
         self.layout_map = plan
+        self._planned_values.update(v.value.ref() for v in model.variables)
 
     def move_variable(
         self,
@@ -369,7 +373,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         models made in the scope that are no part of another, before the
         step reads their variables (moved out of a trace being made)."""
         for model in self._unplanned_models():
-            if not model.built or any(v.value.ref() in self._with_slots for v in model.variables):
+            if not model.built or self._has_slots(model):
                 raise ValueError(
                     f"layout_map='auto' lays out model {model.name!r} at the first "
                     "strategy.run, so by then the model must be built (give it a "
@@ -381,32 +385,40 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             with tf.init_scope():
                 self.apply_auto_layouts(model)
 
+    def _is_planned(self, model: Any) -> bool:
+        """Whether `layout_map="auto"` has laid out `model`, or all its
+        variables as another model's (a Sequential's inner functional model)."""
+        return model.__dict__.get("_tfmp_auto_planned", False) or (
+            bool(model.variables) and all(v.value.ref() in self._planned_values for v in model.variables)
+        )
+
+    def _has_slots(self, model: Any) -> bool:
+        """Whether an optimizer has made variables for one of `model`'s."""
+        return any(v.value.ref() in self._with_slots for v in model.variables)
+
     def _unplanned_models(self) -> list[Any]:
         """With `layout_map="auto"` in a custom loop: the models made in the
         scope, not yet laid out, that are no part of another such model."""
         if self.auto_axis is None or self._keras_methods:
             return []
-        models = [model for model in self.models if not model.__dict__.get("_tfmp_auto_planned")]
+        models = [model for model in self.models if not self._is_planned(model)]
         inner = {
             id(layer) for model in models for layer in model._flatten_layers(include_self=False)  # noqa: SLF001
         }
         return [model for model in models if id(model) not in inner]
 
-    def colocate_vars_with(self, colocate_with_variable: Any) -> Any:
-        """The scope in which an optimizer makes a variable's slots. With
-        `layout_map="auto"`, an optimizer built before a custom loop's first
-        step (to restore a checkpoint into) lays out the built model that
-        holds the variable first, so that the slots take the planned layout."""
-        if tf.executing_eagerly():
-            for model in self._unplanned_models():
-                if not model.built:
-                    continue
-                held = [v for v in model.variables if v.value is colocate_with_variable]
-                if held:
+    def apply_auto_layouts_before_slots(self, variables: list[Any]) -> None:
+        """With `layout_map="auto"`, as an optimizer starts making its slots
+        for `variables` outside Keras' methods (`optimizer.build` to restore a
+        checkpoint into before a custom loop, `load_model` of a model with its
+        optimizer): lays out the built models holding them first, so that the
+        slots take the planned layouts and the optimizer knows the variables
+        as they are then."""
+        held = {id(variable) for variable in variables}
+        for model in self._unplanned_models():
+            if model.built and any(id(v) in held for v in model.variables):
+                with tf.init_scope():
                     self.apply_auto_layouts(model)
-                    colocate_with_variable = held[0].value
-                    break
-        return super().colocate_vars_with(colocate_with_variable)
 
     def _replicated_output(self, value: Any) -> Any:
         if isinstance(value, tf.Tensor):

@@ -252,6 +252,21 @@ def on_batch(method: Callable) -> Callable:
     return wrapper
 
 
+def laid_out_before_slots(build: Callable) -> Callable:
+    """Keras' `BaseOptimizer.build`: under a tfmp strategy with
+    `layout_map="auto"`, the models holding the variables are laid out before
+    the optimizer indexes them and makes their slots."""
+
+    @functools.wraps(build)
+    def wrapper(self, variables):
+        extended = extended_of(getattr(self, "_distribution_strategy", None))
+        if extended is not None and not self.built:
+            extended.apply_auto_layouts_before_slots(list(variables))
+        return build(self, variables)
+
+    return wrapper
+
+
 def built_without_call(symbolic_build: Callable) -> Callable:
     """Keras' symbolic build at the start of `fit`, `evaluate` and `predict`
     under a strategy, for a model with no `call()` of its own.
