@@ -74,6 +74,15 @@ def test_another_batch_order_is_refused_with_the_epoch_and_batch(run, client):
     assert "shuffle(..., seed=S)" in printed
 
 
+@pytest.mark.parametrize("client", [0, 1])
+def test_a_custom_loop_is_checked_at_its_first_step(run, client):
+    printed = outcome(run, client, "custom loop")
+    assert printed.startswith(
+        "ClientsDisagreeError: tfmp: the clients of this run do not hold the same model: "
+        "client 1 differs from client 0 in the values of 'mlp/up/kernel'"
+    ), printed
+
+
 def test_another_seed_stops_the_run_on_every_client(run):
     finished, seconds = run
     assert finished.returncode not in (0, 124), finished.stdout[-3000:]

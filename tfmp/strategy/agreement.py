@@ -63,6 +63,10 @@ class ClientsDisagreeError(ValueError):
         True
     """
 
+    # Exception's own: autograph re-raises an error of such a class as
+    # itself (else as a StagingError) from a custom loop's traced step.
+    __init__ = Exception.__init__
+
 
 def check_model(variables: list[Any], plan: dict[str, Any]) -> None:
     """Compares `variables` (mesh variables no check has seen yet) and the

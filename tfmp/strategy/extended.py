@@ -85,7 +85,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         # The variables that optimizers have made slots for.
         self._with_slots: set[Any] = set()
         # The Keras models made in the strategy's scope (`made_in_scope`).
-        self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # In the order they were made: every client lists them alike.
+        self.models: "weakref.WeakKeyDictionary[Any, None]" = weakref.WeakKeyDictionary()
         # How many Keras fit/evaluate/predict/*_on_batch calls run now: Keras
         # sees one replica (see `_num_replicas_in_sync`).
         self._keras_methods = 0
@@ -642,7 +643,7 @@ def made_in_scope(initialize: Callable) -> Callable:
         initialize(self, *args, **kwargs)
         extended = extended_of(self._distribute_strategy)  # noqa: SLF001
         if extended is not None:
-            extended.models.add(self)
+            extended.models[self] = None
 
     return wrapper
 
