@@ -283,28 +283,42 @@ def exchange(topic: str, value: str) -> list[str]:
         TimeoutError: If a client did not publish its value in time: it runs
             another program, is stuck, or died.
     """
-    if _cluster is None or _cluster.num_clients == 1:
+    clients, me, timeout_s = _participants()
+    if clients == 1:
         return [value]
     round_ = _rounds.get(topic, 0)
     _rounds[topic] = round_ + 1
-    key = f"tfmp/{topic}/{round_}/{{}}"
+    key = f"tfmp/{topic}/{{}}/{{}}"
     ctx = context.context()
-    ctx.set_config_key_value(key.format(_cluster.client_id), value)
-    deadline = time.monotonic() + _cluster.timeout_s
+    ctx.set_config_key_value(key.format(round_, me), value)
+    deadline = time.monotonic() + timeout_s
     values = []
-    for client in range(_cluster.num_clients):
+    for client in range(clients):
         wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            values.append(ctx.get_config_key_value(key.format(client), wait_ms))
+            values.append(ctx.get_config_key_value(key.format(round_, client), wait_ms))
         except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as error:
             raise TimeoutError(
                 f"tfmp: client {client} did not reach the check {topic!r} (round "
-                f"{round_}) within {_cluster.timeout_s:g} s, which client "
-                f"{_cluster.client_id} reached: every client must run the same program "
-                "(it runs another, is stuck, or died). timeout_s of tfmp.initialize "
-                "sets the wait."
+                f"{round_}) within {timeout_s:g} s, which client {me} reached: every "
+                "client must run the same program (it runs another, is stuck, or "
+                "died). timeout_s of tfmp.initialize sets the wait."
             ) from error
+    if round_:
+        # Every client published this round after reading the last one, so
+        # this client's value of the last round is read everywhere: the store
+        # keeps two rounds of a topic, however many there are.
+        ctx.delete_config_key_value(key.format(round_ - 1, me))
     return values
+
+
+def _participants() -> tuple[int, int, float]:
+    """How many clients the run has, which one this is, and how long to wait
+    for the others: from `initialize`, else (DTensor set up directly) from
+    DTensor, with `initialize`'s default wait."""
+    if _cluster is not None:
+        return _cluster.num_clients, _cluster.client_id, _cluster.timeout_s
+    return dtensor.num_clients(), dtensor.client_id(), 120.0
 
 
 def wait_for_every_client(topic: str) -> None:
@@ -312,8 +326,9 @@ def wait_for_every_client(topic: str) -> None:
     call), up to the cluster's `timeout_s`: before clients that found the
     same fault raise, so that the first to exit does not take the
     coordination service down before the others have read what they need."""
-    if _cluster is None or _cluster.num_clients == 1:
+    clients, _, timeout_s = _participants()
+    if clients == 1:
         return
     round_ = _rounds.get(topic, 0)
     _rounds[topic] = round_ + 1
-    context.context().wait_at_barrier(f"tfmp/{topic}/{round_}", int(_cluster.timeout_s * 1000))
+    context.context().wait_at_barrier(f"tfmp/{topic}/{round_}", int(timeout_s * 1000))
