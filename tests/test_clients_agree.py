@@ -14,6 +14,10 @@ import time
 
 import pytest
 
+import tfmp
+from helpers import build_mlp, build_on, initial_weights, mlp_data
+from tfmp.strategy.agreement import shard_conflict
+
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "disagree.py")
 BOUND_S = 200
 
@@ -96,3 +100,17 @@ def test_another_seed_stops_the_run_on_every_client(run):
             finished.stdout, re.M,
         ), finished.stdout[-3000:]
     assert "CASE other seed: trained" not in finished.stdout
+
+
+def test_a_shard_is_compared_among_the_clients_that_hold_it():
+    # Client 0 holds shard "0", clients 1 and 2 shard "1": those two must agree.
+    assert shard_conflict([{"0": 5}, {"1": 7}, {"1": 7}]) is None
+    assert shard_conflict([{"0": 5}, {"1": 7}, {"1": 8}]) == ("1", 1, 2)
+    assert shard_conflict([{"": 5}, {"": 6}]) == ("", 0, 1)
+
+
+def test_input_order_check_needs_a_model_on_a_tfmp_strategy():
+    model = build_on(None, "mlp", initial_weights(build_mlp))
+    x, y = mlp_data(16)
+    with pytest.raises(ValueError, match="InputOrderCheck checks the batches of a model on a tfmp.ModelParallelStrategy"):
+        model.fit(x, y, callbacks=[tfmp.callbacks.InputOrderCheck()], verbose=0)

@@ -179,12 +179,15 @@ def check_batch_order(epoch: int, part: int, batches: list[int]) -> None:
 def batch_fingerprint(batch: Any) -> int:
     """A CRC-32 of every host array of a batch (shapes, dtypes and bytes)."""
     crc = 0
-    for value in tf.nest.flatten(batch):
+    for value in tf.nest.flatten(batch, expand_composites=True):  # ragged: its parts
         if value is None:
             continue
         array = np.asarray(value)
         crc = zlib.crc32(f"{array.shape}{array.dtype}".encode(), crc)
-        crc = zlib.crc32(_bytes_of(array), crc)
+        if array.dtype.kind in "OUS":  # text: a string tensor's bytes objects
+            crc = zlib.crc32(repr(array.tolist()).encode(), crc)
+        else:
+            crc = zlib.crc32(_bytes_of(array), crc)
     return crc
 
 
