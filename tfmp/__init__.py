@@ -24,6 +24,7 @@ from tfmp.layout import LayoutMap, gather_on_use  # noqa: E402
 from tfmp.mesh import DeviceMesh  # noqa: E402
 from tfmp.pipeline.balance import balance  # noqa: E402
 from tfmp.strategy import ModelParallelStrategy  # noqa: E402
+from tfmp.strategy.agreement import ClientsDisagreeError  # noqa: E402
 from tfmp import integrations  # noqa: E402
 from tfmp.strategy.keras_distribution import follow_distribution_set_before_import  # noqa: E402
 
@@ -34,6 +35,7 @@ follow_distribution_set_before_import()
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClientsDisagreeError",
     "DeviceMesh",
     "LayoutMap",
     "ModelParallelStrategy",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from typing import Sequence
 
 import tensorflow as tf
@@ -22,9 +23,6 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
 from tfmp import devices as devices_lib
-
-_DEVICE_COUNT_KEY = "tfmp/local_devices/{}"
-
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
@@ -36,6 +34,8 @@ class Cluster:
         job_name: The gRPC job name all clients share.
         device_type: `"CPU"`, `"GPU"` or `"TPU"`.
         local_devices: Devices of that type each client has.
+        timeout_s: How long a client waits for the others at a check all
+            of them make (joining, tfmp's agreement checks).
     """
 
     jobs: tuple[str, ...]
@@ -43,6 +43,7 @@ class Cluster:
     job_name: str
     device_type: str
     local_devices: int
+    timeout_s: float = dataclasses.field(default=120.0, compare=False)
 
     @property
     def num_clients(self) -> int:
@@ -114,7 +115,9 @@ def initialize(
     if num_local_devices is None and os.environ.get("TFMP_NUM_LOCAL_DEVICES"):
         num_local_devices = int(os.environ["TFMP_NUM_LOCAL_DEVICES"])  # set by `tfmp launch`
     device_type = device_type or os.environ.get("TFMP_DEVICE_TYPE", "CPU")
-    cluster = _resolve(jobs, client_id, device_type, num_local_devices, job_name)
+    cluster = dataclasses.replace(
+        _resolve(jobs, client_id, device_type, num_local_devices, job_name), timeout_s=timeout_s
+    )
     if _cluster is not None:
         if dataclasses.replace(cluster, local_devices=_cluster.local_devices) != _cluster:
             raise RuntimeError(
@@ -161,8 +164,12 @@ def initialize(
         tf.DeviceSpec.from_string(device.name).task == cluster.client_id
         for device in tf.config.list_logical_devices(cluster.device_type)
     )
-    _check_device_counts(cluster, local, timeout_s)
     _cluster = dataclasses.replace(cluster, local_devices=local)
+    try:
+        _check_device_counts(_cluster)
+    except ValueError:
+        _cluster = None
+        raise
     return _cluster
 
 
@@ -241,16 +248,87 @@ def _configure_coordination(cluster: Cluster, timeout_s: float) -> None:
     context.context()._coordination_service_config = config  # noqa: SLF001
 
 
-def _check_device_counts(cluster: Cluster, local: int, timeout_s: float) -> None:
-    ctx = context.context()
-    ctx.set_config_key_value(_DEVICE_COUNT_KEY.format(cluster.client_id), str(local))
-    counts = {
-        client: int(ctx.get_config_key_value(_DEVICE_COUNT_KEY.format(client), int(timeout_s * 1000)))
-        for client in range(cluster.num_clients)
-    }
+def _check_device_counts(cluster: Cluster) -> None:
+    counts = dict(enumerate(int(c) for c in exchange("local_devices", str(cluster.local_devices))))
     if len(set(counts.values())) > 1:
         raise ValueError(
             f"Clients have different numbers of {cluster.device_type} devices: "
             f"{counts} (client: devices). Every client needs the same number: give "
             "each the same num_local_devices, or hosts with as many accelerators."
         )
+
+
+# How many rounds of each topic this client has exchanged.
+_rounds: dict[str, int] = {}
+
+
+def exchange(topic: str, value: str) -> list[str]:
+    """Every client's `value` for `topic`, in client-id order.
+
+    Each client publishes its value in the key-value store of TensorFlow's
+    coordination service and reads every other's, waiting for each up to
+    the cluster's `timeout_s`. No collective runs, so clients whose models
+    or layouts differ (whose collectives would wait for each other forever)
+    still meet here. Each call on a topic is a new round: every client must
+    exchange the same topics in the same order, as the same program does.
+
+    Args:
+        topic: What is exchanged, part of the store's keys.
+        value: This client's value.
+
+    Returns:
+        The values of clients 0, 1, ...; `[value]` with one client.
+
+    Raises:
+        TimeoutError: If a client did not publish its value in time: it runs
+            another program, is stuck, or died.
+    """
+    clients, me, timeout_s = _participants()
+    if clients == 1:
+        return [value]
+    round_ = _rounds.get(topic, 0)
+    _rounds[topic] = round_ + 1
+    key = f"tfmp/{topic}/{{}}/{{}}"
+    ctx = context.context()
+    ctx.set_config_key_value(key.format(round_, me), value)
+    deadline = time.monotonic() + timeout_s
+    values = []
+    for client in range(clients):
+        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            values.append(ctx.get_config_key_value(key.format(round_, client), wait_ms))
+        except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as error:
+            raise TimeoutError(
+                f"tfmp: client {client} did not reach the check {topic!r} (round "
+                f"{round_}) within {timeout_s:g} s, which client {me} reached: every "
+                "client must run the same program (it runs another, is stuck, or "
+                "died). timeout_s of tfmp.initialize sets the wait."
+            ) from error
+    if round_:
+        # Every client published this round after reading the last one, so
+        # this client's value of the last round is read everywhere: the store
+        # keeps two rounds of a topic, however many there are.
+        ctx.delete_config_key_value(key.format(round_ - 1, me))
+    return values
+
+
+def _participants() -> tuple[int, int, float]:
+    """How many clients the run has, which one this is, and how long to wait
+    for the others: from `initialize`, else (DTensor set up directly) from
+    DTensor, with `initialize`'s default wait."""
+    if _cluster is not None:
+        return _cluster.num_clients, _cluster.client_id, _cluster.timeout_s
+    return dtensor.num_clients(), dtensor.client_id(), 120.0
+
+
+def wait_for_every_client(topic: str) -> None:
+    """Waits until every client calls this with `topic` (a new round each
+    call), up to the cluster's `timeout_s`: before clients that found the
+    same fault raise, so that the first to exit does not take the
+    coordination service down before the others have read what they need."""
+    clients, _, timeout_s = _participants()
+    if clients == 1:
+        return
+    round_ = _rounds.get(topic, 0)
+    _rounds[topic] = round_ + 1
+    context.context().wait_at_barrier(f"tfmp/{topic}/{round_}", int(timeout_s * 1000))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import warnings
 from typing import Any
 
@@ -10,9 +12,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfmp import distributed
 from tfmp.callbacks.collective_time import CollectiveTimer
 from tfmp.callbacks.gradient_norms import GradientNormRecorder
 from tfmp.inspect.comm_report import comm_report
+from tfmp.strategy import agreement
 
 ON_MISMATCH = ("warn", "stop")
 
@@ -28,9 +32,14 @@ class GradientSyncMonitor(keras.callbacks.Callback):
       the trainable variables it all-reduces each step.
     - Every `check_every_n_epochs` epochs: every copy of every replicated
       variable, and of every replicated shard, is compared bit for bit across
-      devices (model and optimizer variables). `sync/mismatched_variables`
-      counts those that differ; each is warned about with its path and largest
-      difference, and with `on_mismatch="stop"` training stops.
+      devices (model and optimizer variables). In a multi-client run, each
+      client compares its own devices' copies, and every client's copies with
+      the other clients' through CRC-32 fingerprints exchanged in the
+      coordination service's key-value store (every client must use the
+      monitor). `sync/mismatched_variables` counts the variables whose copies
+      differ; each is warned about with its path and largest difference (NaN
+      for a difference between clients), and with `on_mismatch="stop"`
+      training stops.
     - With `grad_norms=True`, at each epoch end: `grad_norm/global` and
       `grad_norm/<variable path>`, the norms of the synchronized gradients of
       the epoch's last step (the gradients the optimizer applies).
@@ -109,9 +118,13 @@ class GradientSyncMonitor(keras.callbacks.Callback):
             self.mismatches = replica_mismatches(self.model)
             logs["sync/mismatched_variables"] = float(len(self.mismatches))
             for path, difference in self.mismatches:
+                where = (
+                    "across clients (their fingerprints differ)"
+                    if math.isnan(difference)
+                    else f"across devices (largest difference {difference:g})"
+                )
                 warnings.warn(
-                    f"tfmp: the copies of {path!r} differ across devices (largest "
-                    f"difference {difference:g}): replicas have drifted apart.",
+                    f"tfmp: the copies of {path!r} differ {where}: replicas have drifted apart.",
                     stacklevel=2,
                 )
             if self.mismatches and self.on_mismatch == "stop":
@@ -153,22 +166,52 @@ def step_traffic(model: Any) -> dict[str, float]:
 
 
 def replica_mismatches(model: Any) -> list[tuple[str, float]]:
-    """(path, largest difference) of each variable whose copies differ."""
+    """(path, largest difference) of each variable whose copies differ.
+
+    In a multi-client run, copies on other clients are compared by their
+    fingerprints (each client's first copy of each shard; its own copies are
+    compared bit for bit first): such a difference is NaN, unknown here.
+    """
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
         variables += list(optimizer.variables)
+    multi_client = dtensor.num_clients() > 1
     mismatches = []
+    shard_fingerprints = []
     for variable in variables:
-        difference = _largest_copy_difference(getattr(variable, "value", variable))
+        groups = _copy_groups(getattr(variable, "value", variable))
+        difference = _largest_difference(groups.values())
         if difference is not None:
             mismatches.append((variable.path, difference))
+        if multi_client:
+            fingerprints = {shard: agreement.fingerprint(copies[0]) for shard, copies in groups.items()}
+            shard_fingerprints.append((variable.path, fingerprints))
+    if multi_client:
+        mismatches += _across_clients(shard_fingerprints, {path for path, _ in mismatches})
     return mismatches
 
 
-def _largest_copy_difference(variable: Any) -> float | None:
-    """The largest difference between copies that must be equal, or None."""
-    groups = _copy_groups(variable)
+def _across_clients(
+    shard_fingerprints: list[tuple[str, dict[str, int]]], known: set[str]
+) -> list[tuple[str, float]]:
+    """The variables (other than `known`) some shard of which two clients
+    hold with different bytes, with NaN differences."""
+    records = [
+        json.loads(record)
+        for record in distributed.exchange("replica_copies", json.dumps(shard_fingerprints))
+    ]
+    mismatches = []
+    for index, (path, _) in enumerate(records[0]):
+        differs = agreement.shard_conflict([record[index][1] for record in records])
+        if differs is not None and path not in known:
+            mismatches.append((path, float("nan")))
+    return mismatches
+
+
+def _largest_difference(groups: Any) -> float | None:
+    """The largest difference between copies that must be equal (each group
+    holds copies of one shard), or None."""
     largest = None
     for copies in groups:
         reference = copies[0]
@@ -179,24 +222,15 @@ def _largest_copy_difference(variable: Any) -> float | None:
     return largest
 
 
-def _copy_groups(variable: Any) -> list[list[np.ndarray]]:
-    """The host copies of each distinct shard (or of the whole variable)."""
-    layout = getattr(variable, "layout", None)
-    if layout is not None:
-        # Each device's own copy: a DTensor read of a replicated variable would
-        # hand back one device's value for all.
-        shards = [_read_copy(handle, variable.dtype) for handle in dtensor.unpack(variable.handle)]
-        sharded_axes = [s for s in layout.sharding_specs if s != dtensor.UNSHARDED]
-        groups: dict[tuple, list[np.ndarray]] = {}
-        for location, shard in zip(layout.mesh.local_device_locations(), shards):
-            groups.setdefault(tuple(location[a] for a in sharded_axes), []).append(shard)
-        return list(groups.values())
+def _copy_groups(variable: Any) -> dict[str, list[np.ndarray]]:
+    """This client's host copies of each distinct shard (or of the whole
+    variable), by shard (`tfmp.strategy.agreement.local_copies`)."""
+    if getattr(variable, "layout", None) is not None:
+        groups: dict[str, list[np.ndarray]] = {}
+        for shard, copy in agreement.local_copies(variable):
+            groups.setdefault(shard, []).append(copy)
+        return groups
     values = getattr(variable, "values", None)  # a MirroredVariable's copies
     if values is not None:
-        return [[v.numpy() for v in values]]
-    return []
-
-
-def _read_copy(handle: tf.Tensor, dtype: tf.DType) -> np.ndarray:
-    with tf.device(handle.device):
-        return tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype).numpy()
+        return {"": [v.numpy() for v in values]}
+    return {}

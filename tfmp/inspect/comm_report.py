@@ -161,12 +161,15 @@ def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> Com
 
 
 def _train_step_partition(function_graphs: list, mesh: Any) -> Any:
-    """The first mesh device's partition of the train step function.
+    """This client's first mesh device's partition of the train step function
+    (in a multi-client run, each client keeps only its own devices' graphs;
+    every device runs the same collectives).
 
     The device can hold more than one partition (host-side parts); the one
     with the collectives is the step's body.
     """
-    device = tf.DeviceSpec.from_string(mesh.devices.flat[0])
+    first = mesh.dtensor_mesh.local_devices()[0]
+    device = tf.DeviceSpec.from_string(first)
     partitions = [
         partition
         for function in filter(is_train_step, function_graphs)
@@ -178,8 +181,8 @@ def _train_step_partition(function_graphs: list, mesh: Any) -> Any:
     ]
     if not partitions:
         raise ValueError(
-            "tfmp kept no training step graph on the mesh's first device "
-            f"{mesh.devices.flat[0]}: run model.fit on this model's strategy."
+            "tfmp kept no training step graph on this client's first mesh device "
+            f"{first}: run model.fit on this model's strategy."
         )
     return max(partitions, key=lambda p: sum(n.op in _OP_KINDS for n in p.node))
 

@@ -17,6 +17,7 @@ from tfmp import integrations
 from tfmp.auto_layout import auto_layout, has_weights
 from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, replicated
 from tfmp.mesh import DeviceMesh
+from tfmp.strategy import agreement
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_host, to_layout
@@ -71,7 +72,11 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             batch_axis,
             input_mesh=stages.input_mesh.dtensor_mesh,
             check_rows=self._check_host_batch,
+            on_batch_read=self._note_batch_order,
         )
+        # The training batches read, while `tfmp.callbacks.InputOrderCheck`
+        # checks their order; else None.
+        self.batch_order: agreement.BatchOrder | None = None
         # Whether the batches placed now feed training steps (see `feeding`).
         self._batches_train = True
         self.fully_shard_axis = batch_axis if fully_shard else None
@@ -82,7 +87,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         # The variables `layout_map="auto"` has laid out.
         self._planned_values: set[Any] = set()
         # The Keras models made in the strategy's scope (`made_in_scope`).
-        self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # In the order they were made: every client lists them alike.
+        self.models: "weakref.WeakKeyDictionary[Any, None]" = weakref.WeakKeyDictionary()
         # How many Keras fit/evaluate/predict/*_on_batch calls run now: Keras
         # sees one replica (see `_num_replicas_in_sync`).
         self._keras_methods = 0
@@ -152,7 +158,41 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         """
         self.apply_auto_layouts(model)
         self.adopt_training_state(model)
+        self.check_clients_agree([model])
         self.first_step_graphs = first_step_graphs_of(model)
+
+    def check_clients_agree(self, models: list[Any]) -> None:
+        """In a multi-client run: refuses, on every client, models whose
+        variables (not compared yet) or plan differ between clients, before
+        they run a step (`tfmp.strategy.agreement`). Nothing in one client."""
+        if dtensor.num_clients() == 1:
+            return
+        found: dict[int, MeshVariable] = {}
+        for model in models:
+            variables = [*model.variables, *model.metrics_variables]
+            variables += [v for optimizer in _optimizers_of(model) for v in optimizer.variables]
+            for variable in variables:
+                value = getattr(variable, "value", variable)
+                if isinstance(value, MeshVariable) and not value.agreed:
+                    found.setdefault(id(value), value)
+        agreement.check_model(list(found.values()), self.plan())
+
+    def plan(self) -> dict[str, str]:
+        """What decides every variable's layout and every step's collectives,
+        as text each client can compare with another's."""
+        strategy = self._container_strategy()
+        mesh = self.mesh
+        return {
+            "mesh": f"{dict(zip(mesh.axis_names, mesh.shape))} over {list(mesh.devices.flat)}",
+            "layout rules": repr(dict(self.layout_map.items())),
+            "strategy settings": repr({
+                "batch_axis": self.placer.batch_axis,
+                "fully_shard": self.fully_shard_axis is not None,
+                "num_microbatches": strategy.num_microbatches,
+                "schedule": strategy.schedule,
+                "whole_path": self.layout_map.whole_path,
+            }),
+        }
 
     def adopt_training_state(self, model: Any) -> None:
         """Brings onto the mesh what `compile` and the optimizer made outside
@@ -212,6 +252,11 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         finally:
             self._keras_methods -= 1
             self._batches_train = previous
+
+    def _note_batch_order(self, batch: Any, local_rows: bool) -> None:
+        if self.batch_order is not None and self._batches_train:
+            # Clients reading their own rows compare with those of their part.
+            self.batch_order.record(batch, self._input_pipelines()[1] if local_rows else 0)
 
     def _check_host_batch(self, rows: int) -> None:
         self.stages.check_host_batch(rows, trains=self._batches_train)
@@ -327,6 +372,9 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         distribute_lib._require_cross_replica_or_default_context_extended(self)  # noqa: SLF001
         kwargs = kwargs or {}
         self.apply_custom_loop_auto_layouts()
+        if not self._keras_methods:
+            with tf.init_scope():  # a custom loop's step: before it runs
+                self.check_clients_agree(list(self.models))
         if tf.executing_eagerly():
             args, kwargs = self.placer.place((args, kwargs))
         self.note_step_rows((args, kwargs))
@@ -607,7 +655,7 @@ def made_in_scope(initialize: Callable) -> Callable:
         initialize(self, *args, **kwargs)
         extended = extended_of(self._distribute_strategy)  # noqa: SLF001
         if extended is not None:
-            extended.models.add(self)
+            extended.models[self] = None
 
     return wrapper
 

@@ -121,6 +121,9 @@ class BatchPlacer:
         check_rows: Called with the rows of each `(x, y, sample_weight)`
             batch (all clients' rows) before it is placed; raises ValueError
             for a batch that cannot run.
+        on_batch_read: Called with each `(x, y, sample_weight)` host batch
+            a dataset's iterator cuts, in the order they are read, and
+            whether it holds only this client's rows.
     """
 
     def __init__(
@@ -129,12 +132,14 @@ class BatchPlacer:
         batch_axis: str | None,
         input_mesh: dtensor.Mesh | None = None,
         check_rows: Callable[[int], None] | None = None,
+        on_batch_read: Callable[[Any, bool], None] | None = None,
     ):
         self.mesh = mesh
         self.input_mesh = input_mesh or mesh
         self.batch_axis = batch_axis
         self.batch_parts = mesh.dim_size(batch_axis) if batch_axis else 1
         self._check_rows = check_rows
+        self._on_batch_read = on_batch_read
         self._warned = False
 
     def place(
@@ -153,6 +158,8 @@ class BatchPlacer:
         """Checks an `(x, y, sample_weight)` batch and cuts each of its host
         tensors into `HostShards` (host work only: `pack` places them)."""
         self.check_batch(batch, local_rows)
+        if self._on_batch_read is not None:
+            self._on_batch_read(batch, local_rows)
         if self.input_mesh is self.mesh or not isinstance(batch, tuple) or len(batch) < 2:
             return self._split(batch, is_last_batch, local_rows=local_rows)
         return (self._split(batch[0], is_last_batch, local_rows=local_rows),) + self._split(

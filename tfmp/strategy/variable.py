@@ -30,6 +30,10 @@ class MeshVariable(dtensor.DVariable):
     TF's parameter-server variable and would track each row as a weight.)
     """
 
+    # Whether the clients of a multi-client run compared their copies of it
+    # (`tfmp.strategy.agreement.check_model`).
+    agreed = False
+
     def __init__(
         self,
         initial_value: Any,
