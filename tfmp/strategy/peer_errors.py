@@ -54,6 +54,7 @@ def explain_peer_failure(error: tf.errors.OpError) -> tf.errors.OpError:
     Example:
 
     >>> import tensorflow as tf
+    >>> from tfmp.strategy.peer_errors import explain_peer_failure
     >>> lost = tf.errors.UnavailableError(None, None, "Collective ops is aborted by: The "
     ...     "following tasks are unhealthy (stopped sending heartbeats):\\n"
     ...     "/job:worker/replica:0/task:1\\n\\t [[{{node loss/DTensorAllReduceOp}}]]")

@@ -64,7 +64,7 @@ class _Progress:
     slowest_s: float = 0.0
 
 
-class Watchdog:
+class _Watchdog:
     """This client's watchdog thread and what the steps tell it."""
 
     def __init__(self, cluster: distributed.Cluster):
@@ -251,6 +251,7 @@ def stuck_verdict(behind: list[int], bound_s: float, states: dict[int, dict | No
 
     Example:
 
+    >>> from tfmp.strategy.watchdog import clients_behind, stuck_verdict
     >>> states = {
     ...     0: {"entered": 5, "finished": 4, "label": "fit step 4 of epoch 0", "for_s": 8.1},
     ...     1: {"entered": 4, "finished": 4, "label": "fit step 3 of epoch 0", "for_s": None}}
@@ -294,11 +295,11 @@ def _clients(ids: list[int]) -> str:
     return "client " + str(ids[0]) if len(ids) == 1 else "clients " + ", ".join(map(str, ids))
 
 
-class StepWatch(keras.callbacks.Callback):
+class _StepWatch(keras.callbacks.Callback):
     """Tells this client's watchdog which step Keras runs (added last, so a
     step counts as finished after every other callback's `on_*_batch_end`)."""
 
-    def __init__(self, watchdog: Watchdog):
+    def __init__(self, watchdog: _Watchdog):
         super().__init__()
         self.watchdog = watchdog
         self._epoch = 0
@@ -331,24 +332,24 @@ class StepWatch(keras.callbacks.Callback):
     on_test_batch_end = on_predict_batch_end = on_train_batch_end
 
 
-_watchdog: Watchdog | None = None
+_watchdog: _Watchdog | None = None
 
 
 def with_step_watch(callbacks: Any) -> Any:
     """`callbacks` (None, a list or a `CallbackList`) with this client's
-    `StepWatch` last, in a run of several clients; else as they are."""
+    `_StepWatch` last, in a run of several clients; else as they are."""
     global _watchdog
     cluster = distributed.cluster()
     if cluster is None or cluster.num_clients < 2:
         return callbacks
     if _watchdog is None:
-        _watchdog = Watchdog(cluster)
+        _watchdog = _Watchdog(cluster)
     if isinstance(callbacks, keras.callbacks.CallbackList):
-        if not any(isinstance(callback, StepWatch) for callback in callbacks.callbacks):
-            callbacks.callbacks.append(StepWatch(_watchdog))
+        if not any(isinstance(callback, _StepWatch) for callback in callbacks.callbacks):
+            callbacks.callbacks.append(_StepWatch(_watchdog))
             callbacks._configure_async_dispatch(callbacks.callbacks)  # noqa: SLF001
         return callbacks
     callbacks = list(callbacks or [])
-    if not any(isinstance(callback, StepWatch) for callback in callbacks):
-        callbacks.append(StepWatch(_watchdog))
+    if not any(isinstance(callback, _StepWatch) for callback in callbacks):
+        callbacks.append(_StepWatch(_watchdog))
     return callbacks
