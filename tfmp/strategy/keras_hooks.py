@@ -44,7 +44,7 @@ from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
 from tfmp.strategy.variable_layout import creating
-from tfmp.strategy.watchdog import with_step_watch
+from tfmp.strategy.watchdog import watched_call, with_step_watch
 
 _state = threading.local()
 _VALUE_DTYPES = dtypes.TF_VALUE_DTYPES
@@ -120,7 +120,7 @@ def prepared(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        build_pass = contextlib.nullcontext()
+        build_pass = watched = contextlib.nullcontext()
         if method.__name__ in ("fit", "evaluate", "predict") and placer_for(self) is not None:
             bound = signature.bind(self, *args, **kwargs)
             callbacks = bound.arguments.get("callbacks")
@@ -128,8 +128,9 @@ def prepared(method: Callable) -> Callable:
                 callbacks = with_step_errors(callbacks)
                 build_pass = build_pass_expected()
             bound.arguments["callbacks"] = with_step_watch(callbacks)
+            watched = watched_call()
             args, kwargs = bound.args[1:], bound.kwargs
-        with _running(self, method.__name__), explained_errors(self), build_pass:
+        with _running(self, method.__name__), explained_errors(self), build_pass, watched:
             return method(self, *args, **kwargs)
 
     return wrapper

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import keras
 import tensorflow as tf
@@ -86,6 +86,10 @@ class _Watchdog:
         self._wake.set()
 
     def call_ended(self) -> None:
+        """Also when the call raised: a step it left open is over (and not
+        timed: it may have waited for a failed peer)."""
+        self.progress.finished = self.progress.entered
+        self.progress.first_of_call = False
         self._active_calls = max(0, self._active_calls - 1)
 
     def step_entered(self, label: str) -> None:
@@ -216,7 +220,8 @@ class _Watchdog:
         sys.stderr.flush()
         with contextlib.suppress(tf.errors.OpError):
             ctx.set_config_key_value(_SEEN_KEY.format(client_id), "1")
-        ctx.abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, verdict["message"])
+        with contextlib.suppress(tf.errors.OpError):
+            ctx.abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, verdict["message"])
         end = time.monotonic() + _GRACE_S
         while time.monotonic() < end and not self._stopped:
             time.sleep(0.1)
@@ -304,16 +309,6 @@ class _StepWatch(keras.callbacks.Callback):
         self.watchdog = watchdog
         self._epoch = 0
 
-    def _began(self, logs: dict | None = None) -> None:
-        self.watchdog.call_began()
-
-    def _ended(self, logs: dict | None = None) -> None:
-        self.watchdog.step_finished()
-        self.watchdog.call_ended()
-
-    on_train_begin = on_test_begin = on_predict_begin = _began
-    on_train_end = on_test_end = on_predict_end = _ended
-
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
 
@@ -335,21 +330,44 @@ class _StepWatch(keras.callbacks.Callback):
 _watchdog: _Watchdog | None = None
 
 
-def with_step_watch(callbacks: Any) -> Any:
-    """`callbacks` (None, a list or a `CallbackList`) with this client's
-    `_StepWatch` last, in a run of several clients; else as they are."""
+def _this_clients_watchdog() -> _Watchdog | None:
+    """The watchdog of this client of a run of several clients, else None."""
     global _watchdog
     cluster = distributed.cluster()
     if cluster is None or cluster.num_clients < 2:
-        return callbacks
+        return None
     if _watchdog is None:
         _watchdog = _Watchdog(cluster)
+    return _watchdog
+
+
+@contextlib.contextmanager
+def watched_call() -> Iterator[None]:
+    """Around a `fit`, `evaluate` or `predict` whose callbacks went through
+    `with_step_watch`: the watchdog watches while it runs."""
+    watchdog = _this_clients_watchdog()
+    if watchdog is None:
+        yield
+        return
+    watchdog.call_began()
+    try:
+        yield
+    finally:
+        watchdog.call_ended()
+
+
+def with_step_watch(callbacks: Any) -> Any:
+    """`callbacks` (None, a list or a `CallbackList`) with this client's
+    `_StepWatch` last, in a run of several clients; else as they are."""
+    watchdog = _this_clients_watchdog()
+    if watchdog is None:
+        return callbacks
     if isinstance(callbacks, keras.callbacks.CallbackList):
         if not any(isinstance(callback, _StepWatch) for callback in callbacks.callbacks):
-            callbacks.callbacks.append(_StepWatch(_watchdog))
+            callbacks.callbacks.append(_StepWatch(watchdog))
             callbacks._configure_async_dispatch(callbacks.callbacks)  # noqa: SLF001
         return callbacks
     callbacks = list(callbacks or [])
     if not any(isinstance(callback, _StepWatch) for callback in callbacks):
-        callbacks.append(_StepWatch(_watchdog))
+        callbacks.append(_StepWatch(watchdog))
     return callbacks
