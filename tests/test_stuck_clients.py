@@ -18,7 +18,7 @@ import tfmp
 from tfmp import distributed
 from tfmp.launch import client_environments
 from tfmp.strategy import keras_hooks, peer_errors
-from tfmp.strategy.watchdog import clients_behind, stuck_verdict
+from tfmp.strategy.watchdog import clients_behind, step_bound_s, stuck_verdict
 from helpers import build_mlp, build_on, initial_weights, mesh, mlp_layout_map
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "stuck_client.py")
@@ -160,3 +160,24 @@ def test_the_verdict_names_the_clients_behind():
     same = {0: state(5, 4, "evaluate step 0", 901.0), 1: state(5, 4, "evaluate step 0", 901.2)}
     assert clients_behind(same) == []
     assert "every client is in evaluate step 0 and none finished it" in stuck_verdict([], 900.0, same)
+
+
+def test_steps_are_bound_by_the_settings_or_the_slowest_step_seen():
+    defaults = distributed.Cluster(("a:1", "b:2"), 0, "worker", "CPU", 4)
+    assert step_bound_s(True, 0.0, defaults) == 900  # the first step of a call: it traces
+    assert step_bound_s(False, 0.04, defaults) == 300
+    assert step_bound_s(False, 30.0, defaults) == 600  # 20 times the slowest step
+    chosen = distributed.Cluster(("a:1", "b:2"), 0, "worker", "CPU", 4, step_timeout_s=8.0, first_step_timeout_s=60.0)
+    assert step_bound_s(False, 30.0, chosen) == 8
+    assert step_bound_s(True, 30.0, chosen) == 60
+
+
+def test_bad_step_timeouts_are_errors_before_anything_starts(monkeypatch):
+    jobs = ["127.0.0.1:2222", "127.0.0.1:2223"]
+    with pytest.raises(ValueError, match=r"first_step_timeout_s=0: use a number of seconds above 0"):
+        tfmp.initialize(jobs=jobs, client_id=0, first_step_timeout_s=0)
+    with pytest.raises(ValueError, match=r"step_timeout_s='8': use a number of seconds above 0"):
+        tfmp.initialize(jobs=jobs, client_id=0, step_timeout_s="8")
+    monkeypatch.setenv("TFMP_STEP_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"TFMP_STEP_TIMEOUT='soon': use a number of seconds above 0"):
+        tfmp.initialize(jobs=jobs, client_id=0)

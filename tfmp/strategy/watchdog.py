@@ -108,12 +108,7 @@ class _Watchdog:
         progress.finished = progress.entered
 
     def bound_s(self) -> float:
-        """How long the open step may take."""
-        if self.progress.first_of_call:
-            return self.cluster.first_step_timeout_s
-        if self.cluster.step_timeout_s is not None:
-            return self.cluster.step_timeout_s
-        return max(_DEFAULT_FLOOR_S, _SLOWEST_STEP_FACTOR * self.progress.slowest_s)
+        return step_bound_s(self.progress.first_of_call, self.progress.slowest_s, self.cluster)
 
     def stop(self) -> None:
         """Ends the thread (at exit: before TensorFlow's context goes).
@@ -234,6 +229,17 @@ def _end_process(client_id: int) -> None:
     sys.stderr.write(f"tfmp watchdog: ended client {client_id} with status 1.\n")
     sys.stderr.flush()
     os._exit(1)
+
+
+def step_bound_s(first_of_call: bool, slowest_s: float, cluster: distributed.Cluster) -> float:
+    """How long a step may take: the first of a call (which traces) gets
+    `first_step_timeout_s`; a later one `step_timeout_s`, else 300 s or 20
+    times the slowest later step seen so far, whichever is longer."""
+    if first_of_call:
+        return cluster.first_step_timeout_s
+    if cluster.step_timeout_s is not None:
+        return cluster.step_timeout_s
+    return max(_DEFAULT_FLOOR_S, _SLOWEST_STEP_FACTOR * slowest_s)
 
 
 def _position(state: dict | None) -> float:
