@@ -137,7 +137,7 @@ class _Watchdog:
     def _run(self) -> None:
         ctx = context.context()
         while not self._stopped:
-            if self._active_calls == 0 and not self._fired:
+            if self._active_calls == 0:
                 self._wake.wait()
                 self._wake.clear()
                 continue
