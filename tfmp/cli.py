@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Sequence
 
 
@@ -26,12 +27,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch.add_argument("--num-processes", type=int, required=True)
     launch.add_argument("--devices-per-process", type=int, required=True)
     launch.add_argument("--timeout", type=float, default=None, help="seconds before all are stopped")
+    launch.add_argument(
+        "--step-timeout", type=float, default=None,
+        help="seconds a step may take before the clients count as stuck (sets TFMP_STEP_TIMEOUT)",
+    )
+    launch.add_argument(
+        "--first-step-timeout", type=float, default=None,
+        help="the same for the first step of each fit/evaluate/predict (sets TFMP_FIRST_STEP_TIMEOUT)",
+    )
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- python train.py ...")
     args = parser.parse_args(argv)
     if args.command == "launch":
         from tfmp.launch import launch as launch_clients
 
         program = args.program[1:] if args.program[:1] == ["--"] else args.program
+        for variable, seconds in (("TFMP_STEP_TIMEOUT", args.step_timeout), ("TFMP_FIRST_STEP_TIMEOUT", args.first_step_timeout)):
+            if seconds is not None:
+                os.environ[variable] = str(seconds)  # the clients inherit it
         try:
             return launch_clients(program, args.num_processes, args.devices_per_process, args.timeout)
         except ValueError as error:

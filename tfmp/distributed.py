@@ -36,6 +36,11 @@ class Cluster:
         local_devices: Devices of that type each client has.
         timeout_s: How long a client waits for the others at a check all
             of them make (joining, tfmp's agreement checks).
+        step_timeout_s: How long a step after the first of a `fit`,
+            `evaluate` or `predict` may take before the run counts as stuck;
+            None: 300 s, or 20 times the slowest step seen if that is longer.
+        first_step_timeout_s: The same for the first step of each of those
+            calls, which traces and compiles the step.
     """
 
     jobs: tuple[str, ...]
@@ -44,6 +49,8 @@ class Cluster:
     device_type: str
     local_devices: int
     timeout_s: float = dataclasses.field(default=120.0, compare=False)
+    step_timeout_s: float | None = None
+    first_step_timeout_s: float = 900.0
 
     @property
     def num_clients(self) -> int:
@@ -65,6 +72,8 @@ def initialize(
     num_local_devices: int | None = None,
     timeout_s: float = 120.0,
     job_name: str = "worker",
+    step_timeout_s: float | None = None,
+    first_step_timeout_s: float | None = None,
 ) -> Cluster:
     """Joins this process to a multi-client run; call it first in the program.
 
@@ -92,6 +101,15 @@ def initialize(
         timeout_s: How long to wait for every client to join, and how long a
             client may stay silent before the others count it as dead.
         job_name: The gRPC job name, the same in every client.
+        step_timeout_s: How long a training, evaluation or prediction step
+            may take before the run counts as stuck: then every client stops
+            with a message naming the clients that did not reach the step
+            (docs/multi-host.md). None reads `TFMP_STEP_TIMEOUT` (set by
+            `tfmp launch --step-timeout`), else takes 300 s, or 20 times the
+            slowest step seen if that is longer.
+        first_step_timeout_s: The same for the first step of each `fit`,
+            `evaluate` and `predict`, which traces and compiles the step.
+            None reads `TFMP_FIRST_STEP_TIMEOUT`, else takes 900 s.
 
     Returns:
         The `Cluster`.
@@ -116,7 +134,9 @@ def initialize(
         num_local_devices = int(os.environ["TFMP_NUM_LOCAL_DEVICES"])  # set by `tfmp launch`
     device_type = device_type or os.environ.get("TFMP_DEVICE_TYPE", "CPU")
     cluster = dataclasses.replace(
-        _resolve(jobs, client_id, device_type, num_local_devices, job_name), timeout_s=timeout_s
+        _resolve(jobs, client_id, device_type, num_local_devices, job_name),
+        timeout_s=timeout_s,
+        **_step_timeouts(step_timeout_s, first_step_timeout_s),
     )
     if _cluster is not None:
         if dataclasses.replace(cluster, local_devices=_cluster.local_devices) != _cluster:
@@ -214,6 +234,28 @@ def _resolve(
     if num_local_devices is not None and (not isinstance(num_local_devices, int) or num_local_devices < 1):
         raise ValueError(f"num_local_devices={num_local_devices!r}: use a positive integer or None.")
     return Cluster(jobs, client_id, job_name, device_type, num_local_devices or 0)
+
+
+def _step_timeouts(step_timeout_s: float | None, first_step_timeout_s: float | None) -> dict[str, float | None]:
+    """The watchdog's bounds, from the arguments else the environment."""
+    settings = {}
+    for name, value, variable in (
+        ("step_timeout_s", step_timeout_s, "TFMP_STEP_TIMEOUT"),
+        ("first_step_timeout_s", first_step_timeout_s, "TFMP_FIRST_STEP_TIMEOUT"),
+    ):
+        source = name
+        if value is None and os.environ.get(variable):
+            source, value = variable, os.environ[variable]
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{source}={value!r}: use a number of seconds above 0 (or leave it unset).")
+        settings[name] = float(value)
+    return settings
 
 
 def _from_tf_config(text: str, client_id: int | None, job_name: str) -> tuple[list[str], int, str]:

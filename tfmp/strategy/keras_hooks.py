@@ -35,14 +35,16 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import dtypes, ops
 
+from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
-from tfmp.strategy import errors
+from tfmp.strategy import errors, peer_errors
 from tfmp.strategy.epoch_iterator import build_pass_expected
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
 from tfmp.strategy.variable_layout import creating
+from tfmp.strategy.watchdog import watched_call, with_step_watch
 
 _state = threading.local()
 _VALUE_DTYPES = dtypes.TF_VALUE_DTYPES
@@ -118,13 +120,17 @@ def prepared(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        build_pass = contextlib.nullcontext()
-        if method.__name__ in ("fit", "evaluate") and placer_for(self) is not None:
+        build_pass = watched = contextlib.nullcontext()
+        if method.__name__ in ("fit", "evaluate", "predict") and placer_for(self) is not None:
             bound = signature.bind(self, *args, **kwargs)
-            bound.arguments["callbacks"] = with_step_errors(bound.arguments.get("callbacks"))
+            callbacks = bound.arguments.get("callbacks")
+            if method.__name__ != "predict":
+                callbacks = with_step_errors(callbacks)
+                build_pass = build_pass_expected()
+            bound.arguments["callbacks"] = with_step_watch(callbacks)
+            watched = watched_call()
             args, kwargs = bound.args[1:], bound.kwargs
-            build_pass = build_pass_expected()
-        with _running(self, method.__name__), explained_errors(self), build_pass:
+        with _running(self, method.__name__), explained_errors(self), build_pass, watched:
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -133,11 +139,19 @@ def prepared(method: Callable) -> Callable:
 @contextlib.contextmanager
 def explained_errors(model: Any) -> Iterator[None]:
     """DTensor's internal errors in the block become ValueErrors that name
-    the layer and op (for a model on a tfmp mesh)."""
+    the layer and op, and failures of other clients errors that name the
+    client (for a model on a tfmp mesh)."""
     try:
         yield
     except tf.errors.OpError as error:
-        if placer_for(model) is None or not errors.is_dtensor_error(error):
+        if placer_for(model) is None:
+            raise
+        if peer_errors.is_peer_failure(error):  # never a layout problem
+            cluster = distributed.cluster()
+            if cluster is None or cluster.num_clients == 1:
+                raise
+            raise peer_errors.explain_peer_failure(error) from error
+        if not errors.is_dtensor_error(error):
             raise
         raise errors.explain(error, model) from None
 
