@@ -34,6 +34,7 @@ class StopTakingPart(keras.callbacks.Callback):
 
 
 device_mesh = mesh((2, 4))
+keras.utils.set_random_seed(0)  # the same model on every client
 with tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh)).scope():
     model = compile_mlp(build_mlp())
 x, y = mlp_data(64)
