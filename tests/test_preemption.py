@@ -1,0 +1,99 @@
+"""Preemption and restarts: a SIGTERM during `fit` with `BackupAndRestore`
+saves a backup at the end of the batch and exits with status 143; a backup
+taken mid-epoch (`save_freq=N` batches, or a SIGTERM) resumes after its
+batch, so the resumed run's per-batch losses, metrics and final weights are
+an uninterrupted run's; `tfmp launch --max-restarts` relaunches every
+client after a failure and the program resumes from its newest backup.
+
+The reference is one device, plain Keras, 37 rows at batch 8 (a last batch
+of 5, which the 2x4 mesh's batch axis does not divide), 3 epochs.
+"""
+
+import os
+import signal
+
+import keras
+import numpy as np
+import pytest
+
+import tfmp
+from helpers import BatchLosses, build_mlp, build_on, initial_weights, mlp_data, strategy_on
+from tfmp.strategy import backups
+from tfmp.strategy.preemption import PREEMPTED_EXIT_CODE
+
+WEIGHTS = initial_weights(build_mlp)
+EPOCHS = 3
+BATCH = 8
+ROWS = 37  # 5 batches an epoch
+
+
+def fit(model, callbacks, **kwargs):
+    losses = BatchLosses()
+    history = model.fit(*mlp_data(ROWS), batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                        callbacks=[losses, *callbacks], **kwargs)
+    return losses.losses, history
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """Per-batch losses, epoch history and final weights of one device."""
+    model = build_on(None, "mlp", WEIGHTS)
+    losses, history = fit(model, [])
+    return losses, history.history, model.get_weights()
+
+
+def assert_resumed_exactly(uninterrupted, losses, history, weights, resumed_at):
+    """The resumed run logged the uninterrupted run's losses from batch
+    `resumed_at` (counted over the whole run) on, and ends with its weights."""
+    want_losses, want_history, want_weights = uninterrupted
+    np.testing.assert_allclose(losses, want_losses[resumed_at:], rtol=1e-5, atol=1e-6)
+    epochs_run = len(history["loss"])
+    for key, values in history.items():
+        np.testing.assert_allclose(values, want_history[key][-epochs_run:], rtol=1e-5, atol=1e-6)
+    for want, got in zip(want_weights, weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class SigtermAt(keras.callbacks.Callback):
+    """Sends this process SIGTERM at the end of batch `batch` of epoch `epoch`."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_at_the_batch_and_save_freq_resumes_mid_epoch_exactly(tmp_path, uninterrupted, capfd):
+    backup = str(tmp_path / "backup")
+    # Preempted after batch index 2 of epoch index 1 (global batch 8), on 2x4.
+    first = build_on(strategy_on((2, 4)), "mlp", WEIGHTS)
+    with pytest.raises(SystemExit) as exited:
+        fit(first, [SigtermAt(1, 2), keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+    assert exited.value.code == PREEMPTED_EXIT_CODE
+    assert "preempted: saved a backup in" in capfd.readouterr().err
+    # Resumed on 4x2 (after batch index 2 of epoch index 1) with backups
+    # every 2 batches from there: after batches 4 (epoch 1), 1, 3 (epoch 2);
+    # crashed at batch index 3 of epoch index 2, before its backup.
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (2, 3):
+                raise RuntimeError("crashed")
+
+    second = build_on(strategy_on((4, 2)), "mlp", WEIGHTS)
+    with pytest.raises(RuntimeError, match="crashed"):
+        fit(second, [Crash(), keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+    third = build_on(strategy_on((2, 4)), "mlp", WEIGHTS)
+    losses, history = fit(third, [keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+    # The last backup covers batches 0 and 1 of epoch index 2: resumed at
+    # batch 5 * 2 + 2 of the run.
+    assert_resumed_exactly(uninterrupted, losses, history.history, third.get_weights(), resumed_at=12)
+    assert not os.path.exists(backup)
