@@ -9,8 +9,12 @@ The reference is one device, plain Keras, 37 rows at batch 8 (a last batch
 of 5, which the 2x4 mesh's batch axis does not divide), 3 epochs.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import keras
 import numpy as np
@@ -97,3 +101,66 @@ def test_sigterm_saves_at_the_batch_and_save_freq_resumes_mid_epoch_exactly(tmp_
     # batch 5 * 2 + 2 of the run.
     assert_resumed_exactly(uninterrupted, losses, history.history, third.get_weights(), resumed_at=12)
     assert not os.path.exists(backup)
+
+
+PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "preempt_mlp.py")
+
+
+def launch(work, *options):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tfmp", "launch", "--num-processes", "2", "--devices-per-process", "4",
+         "--timeout", "240", *options, "--", sys.executable, PROGRAM, str(work), *(["crash_once"] if options else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def batches_logged(work):
+    try:
+        with open(work / "losses") as losses:
+            return len(losses.read().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def sigterm_after(process, work, batches, pid_of):
+    """SIGTERM to `pid_of()` once client 0 has logged `batches` batches in all."""
+    deadline = time.monotonic() + 200
+    while batches_logged(work) < batches and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pid_of(), signal.SIGTERM)
+    output, _ = process.communicate(timeout=200)
+    return process.returncode, output
+
+
+def test_sigterm_to_one_client_then_a_crash_restarted_onto_one_client(tmp_path, uninterrupted):
+    """On two clients of `tfmp launch`: SIGTERM to client 1 alone in epoch
+    index 0 makes both clients save the same batch and exit 143. Relaunched
+    with --max-restarts 1, client 1 crashes once in epoch index 1; the
+    restart runs as one client of 8 devices. Every batch's loss (the last
+    run's where batches ran twice), the last run's history and the final
+    weights are an uninterrupted run's."""
+    client_1 = lambda: int((tmp_path / "pid-1").read_text())  # noqa: E731
+    status, output = sigterm_after(launch(tmp_path), tmp_path, 2, client_1)
+    assert status == PREEMPTED_EXIT_CODE, output[-3000:]
+    for client in (0, 1):
+        assert f"[client {client}] tfmp: preempted: saved a backup in" in output, output[-3000:]
+    assert "[client 1] tfmp: SIGTERM received" in output and "[client 0] tfmp: SIGTERM received" not in output
+    stopped_after = batches_logged(tmp_path)
+    assert 2 <= stopped_after < 5  # inside epoch index 0
+    finished = launch(tmp_path, "--max-restarts", "1", "--restart-num-processes", "1", "--restart-devices-per-process", "8")
+    output, _ = finished.communicate(timeout=280)
+    assert finished.returncode == 0, output[-3000:]
+    assert "[tfmp launch] restart 1 of 1: the run failed with status 1" in output, output[-3000:]
+    assert "client 1 crashed once" in output
+    rows = [line.split() for line in (tmp_path / "losses").read_text().splitlines()]
+    # The relaunch resumed after the preempted batch, not at the epoch's
+    # start; the restart resumed from a backup of epoch index 1, not at the start.
+    assert rows[stopped_after][1:3] == ["0", str(stopped_after)], rows
+    assert [run for run, *_ in rows].count("1") < 2 * 5, rows
+    latest = {(int(epoch), int(batch)): float(loss) for _, epoch, batch, loss in rows}
+    assert sorted(latest) == [(epoch, batch) for epoch in range(EPOCHS) for batch in range(5)]
+    with open(tmp_path / "history.json") as file:
+        history = json.load(file)
+    final = np.load(tmp_path / "final.npz")
+    assert_resumed_exactly(uninterrupted, [latest[key] for key in sorted(latest)], history,
+                           [final[f"arr_{i}"] for i in range(len(final.files))], resumed_at=0)

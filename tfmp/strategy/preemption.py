@@ -114,7 +114,7 @@ def any_client_flagged(flag: bool, mesh: dtensor.Mesh) -> bool:
     """`flag` of any client, through a max over the whole mesh."""
     local = len(mesh.local_devices())
     layout = dtensor.Layout(list(mesh.dim_names), mesh)
-    shard = tf.constant(np.full([1] * mesh.rank, float(flag), np.float32))
+    shard = tf.constant(np.full([1] * len(mesh.dim_names), float(flag), np.float32))
     flags = dtensor.pack([shard] * local, layout)
     reached = tf.reduce_max(flags)
     return bool(dtensor.unpack(reached)[0].numpy() > 0)
