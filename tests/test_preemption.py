@@ -9,20 +9,21 @@ The reference is one device, plain Keras, 37 rows at batch 8 (a last batch
 of 5, which the 2x4 mesh's batch axis does not divide), 3 epochs.
 """
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import keras
 import numpy as np
 import pytest
 
-import tfmp
+from tfmp import launch as tfmp_launch
 from helpers import BatchLosses, build_mlp, build_on, initial_weights, mlp_data, strategy_on
-from tfmp.strategy import backups
 from tfmp.strategy.preemption import PREEMPTED_EXIT_CODE
 
 WEIGHTS = initial_weights(build_mlp)
@@ -164,3 +165,33 @@ def test_sigterm_to_one_client_then_a_crash_restarted_onto_one_client(tmp_path, 
     final = np.load(tmp_path / "final.npz")
     assert_resumed_exactly(uninterrupted, [latest[key] for key in sorted(latest)], history,
                            [final[f"arr_{i}"] for i in range(len(final.files))], resumed_at=0)
+
+
+def probe(work, mode, **options):
+    """`launch` of `restart_probe.py` (no TensorFlow: quick) on 2 clients of 4 devices; status and output."""
+    out = io.StringIO()
+    command = [sys.executable, os.path.join(os.path.dirname(PROGRAM), "restart_probe.py"), str(work), mode]
+    status = tfmp_launch.launch(command, 2, 4, timeout_s=60, out=out, **options)
+    return status, out.getvalue()
+
+
+def test_launch_restarts_failures_only_and_passes_sigterm_to_every_client(tmp_path):
+    status, output = probe(tmp_path, "crash_once", max_restarts=2, restart_processes=1, restart_devices_per_process=8)
+    assert status == 0, output
+    assert "[tfmp launch] restart 1 of 2: the run failed with status 3; starting 1 clients of 8 devices" in output
+    assert "[client 0] restart 1: 1 clients of 8 devices" in output and "restart 2" not in output
+    status, output = probe(tmp_path, "usage", max_restarts=2)
+    assert status == 2 and "restart 1" not in output, output
+    # The job preempted: SIGTERM to launch reaches every client, none restarts.
+    started = [tmp_path / f"started-{client}" for client in (0, 1)]
+
+    def preempt_when_started():
+        while not all(path.exists() for path in started):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=preempt_when_started, daemon=True).start()
+    status, output = probe(tmp_path, "preemptible", max_restarts=2)
+    assert status == PREEMPTED_EXIT_CODE, output
+    assert "SIGTERM: passed it to every client (each saves a backup and stops); exit statuses [143, 143]" in output
+    assert "restart 1" not in output
