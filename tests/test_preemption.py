@@ -82,6 +82,10 @@ def test_sigterm_saves_at_the_batch_and_save_freq_resumes_mid_epoch_exactly(tmp_
         fit(first, [SigtermAt(1, 2), keras.callbacks.BackupAndRestore(backup, save_freq=2)])
     assert exited.value.code == PREEMPTED_EXIT_CODE
     assert "preempted: saved a backup in" in capfd.readouterr().err
+    # Skipping the batches done needs the same batches.
+    with pytest.raises(ValueError, match="epoch of 5 batches, but this fit's epochs have 10"):
+        build_on(None, "mlp", WEIGHTS).fit(*mlp_data(ROWS), batch_size=4, epochs=EPOCHS, verbose=0,
+                                           callbacks=[keras.callbacks.BackupAndRestore(backup)])
     # Resumed on 4x2 (after batch index 2 of epoch index 1) with backups
     # every 2 batches from there: after batches 4 (epoch 1), 1, 3 (epoch 2);
     # crashed at batch index 3 of epoch index 2, before its backup.

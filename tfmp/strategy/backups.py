@@ -126,6 +126,8 @@ def armed_for_preemption(on_train_begin: Callable) -> Callable:
     def wrapper(self, logs=None):
         on_train_begin(self, logs)
         resume = getattr(self, "_tfmp_resume", None)
+        if resume is not None:
+            _check_same_batches(resume, self.params.get("steps"), self.backup_dir)
         epoch_iterator.skip_in_next_epoch(resume["batches_done"] if resume else 0)
         notice.arm()
 
@@ -207,6 +209,7 @@ def _record_progress(callback: Any, metadata_path: str) -> None:
         metadata = json.load(file)
     metadata[PROGRESS_KEY] = {
         "batches_done": batches_done,
+        "batches_per_epoch": (getattr(callback, "params", None) or {}).get("steps"),
         "metrics": {v.path: np.asarray(v).tolist() for v in callback.model.metrics_variables},
     }
     atomic_files.write_text(metadata_path, json.dumps(metadata))
@@ -223,6 +226,18 @@ def _restore_progress(callback: Any, metadata_path: str) -> None:
     # Keras counts batches since its last backup from here.
     callback._last_batch_seen = progress["batches_done"] - 1
     callback._batches_seen_since_last_saving = 0
+
+
+def _check_same_batches(progress: dict[str, Any], batches_per_epoch: int | None, backup_dir: str) -> None:
+    """A mid-epoch resume skips batches by count: they must be the same batches."""
+    recorded = progress.get("batches_per_epoch")
+    if recorded and batches_per_epoch and recorded != batches_per_epoch:
+        raise ValueError(
+            f"BackupAndRestore: the backup in {backup_dir} was taken after batch "
+            f"{progress['batches_done']} of an epoch of {recorded} batches, but this fit's "
+            f"epochs have {batches_per_epoch}: resume with the data, batch_size and "
+            "steps_per_epoch it was trained with, or delete the backup to start over."
+        )
 
 
 def _assign_metrics(model: Any, values: dict[str, Any]) -> None:
