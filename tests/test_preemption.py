@@ -182,8 +182,12 @@ def probe(work, mode, **options):
 def test_launch_restarts_failures_only_and_passes_sigterm_to_every_client(tmp_path):
     status, output = probe(tmp_path, "crash_once", max_restarts=2, restart_processes=1, restart_devices_per_process=8)
     assert status == 0, output
-    assert "[tfmp launch] restart 1 of 2: the run failed with status 3; starting 1 clients of 8 devices" in output
+    assert "[tfmp launch] restart 1 of 2: the run failed with status 3; starting 1 client of 8 devices" in output
     assert "[client 0] restart 1: 1 clients of 8 devices" in output and "restart 2" not in output
+    with pytest.raises(ValueError, match="--max-restarts -1: use 0"):
+        probe(tmp_path, "usage", max_restarts=-1)
+    with pytest.raises(ValueError, match="--restart-devices-per-process 0: each must be at least 1"):
+        probe(tmp_path, "usage", restart_devices_per_process=0)
     status, output = probe(tmp_path, "usage", max_restarts=2)
     assert status == 2 and "restart 1" not in output, output
     # The job preempted: SIGTERM to launch reaches every client, none restarts.

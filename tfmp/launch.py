@@ -115,8 +115,8 @@ def launch(
     >>> launch(["python", "train.py"], num_processes=2, devices_per_process=4, max_restarts=3)  # doctest: +SKIP
     0
     """
-    restart_processes = restart_processes or num_processes
-    restart_devices_per_process = restart_devices_per_process or devices_per_process
+    restart_processes = num_processes if restart_processes is None else restart_processes
+    restart_devices_per_process = devices_per_process if restart_devices_per_process is None else restart_devices_per_process
     if min(num_processes, devices_per_process, restart_processes, restart_devices_per_process) < 1:
         raise ValueError(
             f"--num-processes {num_processes} --devices-per-process {devices_per_process} "
@@ -137,8 +137,8 @@ def launch(
             with lock:
                 out.write(
                     f"[tfmp launch] restart {restart} of {max_restarts}: the run failed with "
-                    f"{_status_text(status)}; starting {restart_processes} clients of "
-                    f"{restart_devices_per_process} devices again (a program with "
+                    f"{_status_text(status)}; starting {restart_processes} "
+                    f"client{'s' if restart_processes > 1 else ''} of {restart_devices_per_process} devices again (a program with "
                     "BackupAndRestore resumes from its newest backup).\n"
                 )
                 out.flush()
