@@ -61,6 +61,8 @@ def versioned_save(save_model: Callable) -> Callable:
     def wrapper(self):
         if not _is_local(self.backup_dir):
             return save_model(self)
+        # Read in every client, as every value a save reads.
+        progress = _progress(self)
         if not _is_chief():
             with tempfile.TemporaryDirectory() as scratch, _files_in(self, scratch):
                 return save_model(self)
@@ -69,7 +71,7 @@ def versioned_save(save_model: Callable) -> Callable:
         os.makedirs(directory)
         with _files_in(self, directory):
             save_model(self)
-        _record_progress(self, os.path.join(directory, os.path.basename(self._training_metadata_path)))
+        _record_progress(progress, os.path.join(directory, os.path.basename(self._training_metadata_path)))
         files = sorted(os.listdir(directory))
         for name in files:
             atomic_files.fsync_file(os.path.join(directory, name))
@@ -127,7 +129,7 @@ def armed_for_preemption(on_train_begin: Callable) -> Callable:
         on_train_begin(self, logs)
         resume = getattr(self, "_tfmp_resume", None)
         if resume is not None:
-            _check_same_batches(resume, self.params.get("steps"), self.backup_dir)
+            _check_same_batches(resume, (self.params or {}).get("steps"), self.backup_dir)
         epoch_iterator.skip_in_next_epoch(resume["batches_done"] if resume else 0)
         notice.arm()
 
@@ -199,19 +201,26 @@ def _mesh_of(model: Any) -> Any:
     return None if extended is None else extended.home_mesh.dtensor_mesh
 
 
-def _record_progress(callback: Any, metadata_path: str) -> None:
-    """Adds to Keras' metadata how far into the epoch a backup taken at a
-    batch end is, and the metric totals there."""
+def _progress(callback: Any) -> dict[str, Any] | None:
+    """How far into the epoch a backup taken at a batch end is, and the
+    metric totals there; None at an epoch end."""
     batches_done = getattr(callback, "_tfmp_batches_done", None)
-    if batches_done is None or not os.path.exists(metadata_path):
+    if batches_done is None:
+        return None
+    return {
+        "batches_done": batches_done,
+        "batches_per_epoch": (callback.params or {}).get("steps"),
+        "metrics": {v.path: np.asarray(v).tolist() for v in callback.model.metrics_variables},
+    }
+
+
+def _record_progress(progress: dict[str, Any] | None, metadata_path: str) -> None:
+    """Adds `progress` to the metadata Keras wrote."""
+    if progress is None or not os.path.exists(metadata_path):
         return
     with open(metadata_path) as file:
         metadata = json.load(file)
-    metadata[PROGRESS_KEY] = {
-        "batches_done": batches_done,
-        "batches_per_epoch": (getattr(callback, "params", None) or {}).get("steps"),
-        "metrics": {v.path: np.asarray(v).tolist() for v in callback.model.metrics_variables},
-    }
+    metadata[PROGRESS_KEY] = progress
     atomic_files.write_text(metadata_path, json.dumps(metadata))
 
 
