@@ -22,7 +22,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run a program as several clients of one run on this machine",
         description="Starts N processes of the program after --, each a client of one "
         "multi-client run on loopback ports (tfmp.initialize() in the program reads "
-        "its settings), prefixes their output, and stops all if one fails.",
+        "its settings), prefixes their output, and stops all if one fails; with "
+        "--max-restarts, starts them all again. SIGTERM to it is passed to every "
+        "client, which saves a BackupAndRestore backup and exits with status 143.",
     )
     launch.add_argument("--num-processes", type=int, required=True)
     launch.add_argument("--devices-per-process", type=int, required=True)
@@ -35,6 +37,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--first-step-timeout", type=float, default=None,
         help="the same for the first step of each fit/evaluate/predict (sets TFMP_FIRST_STEP_TIMEOUT)",
     )
+    launch.add_argument(
+        "--max-restarts", type=int, default=0,
+        help="start every client again after a failure, up to this many times (the "
+        "program resumes from its newest BackupAndRestore backup)",
+    )
+    launch.add_argument(
+        "--restart-num-processes", type=int, default=None, help="clients of a restarted run (default: as many)"
+    )
+    launch.add_argument(
+        "--restart-devices-per-process", type=int, default=None,
+        help="devices of each client of a restarted run (default: as many)",
+    )
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- python train.py ...")
     args = parser.parse_args(argv)
     if args.command == "launch":
@@ -45,7 +59,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if seconds is not None:
                 os.environ[variable] = str(seconds)  # the clients inherit it
         try:
-            return launch_clients(program, args.num_processes, args.devices_per_process, args.timeout)
+            return launch_clients(
+                program,
+                args.num_processes,
+                args.devices_per_process,
+                args.timeout,
+                max_restarts=args.max_restarts,
+                restart_processes=args.restart_num_processes,
+                restart_devices_per_process=args.restart_devices_per_process,
+            )
         except ValueError as error:
             parser.error(str(error))
     if args.command == "demo":

@@ -140,6 +140,45 @@ PATCHES = (
         )
         for name, wrapper in (("_save_model", "versioned_save"), ("_load_model", "newest_complete_load"))
     ),
+    *(
+        Patch(
+            "keras.src.callbacks.backup_and_restore:BackupAndRestore",
+            name,
+            f"tfmp.strategy.backups:{wrapper}",
+            why,
+            parameters=parameters,
+        )
+        for name, wrapper, why, parameters in (
+            (
+                "on_train_begin",
+                "armed_for_preemption",
+                "A preemption notice (SIGTERM) kills the run with the work since the "
+                "last backup; a backup taken mid-epoch restarts its epoch from the "
+                "first batch, training on those batches twice.",
+                ("logs",),
+            ),
+            (
+                "on_epoch_begin",
+                "resumed_epoch_begin",
+                "A resumed run records its mid-epoch backups as epoch 0, and the "
+                "resumed epoch's metrics would count only its last batches.",
+                ("epoch", "logs"),
+            ),
+            (
+                "on_train_batch_end",
+                "saved_on_preemption",
+                "After a SIGTERM the backup must be saved at a batch end, by every "
+                "client at the same batch.",
+                ("batch", "logs"),
+            ),
+            (
+                "on_train_end",
+                "disarmed",
+                "The SIGTERM handler of fit must not outlive it.",
+                ("logs",),
+            ),
+        )
+    ),
     Patch(
         _TRAINER,
         "__init__",

@@ -16,6 +16,15 @@ itself (no `ckpt-<n>`) is still restored.
 
 In a multi-client run every client runs the save (its gathers are
 collectives) and only client 0 writes into `backup_dir`.
+
+A backup taken in the middle of an epoch (`save_freq=N` batches, or a
+preemption notice: `tfmp.strategy.preemption`) also records how many of the
+epoch's batches were done and the totals of the model's metrics; a restart
+resumes after those batches with those totals, so its losses, metrics and
+weights are an uninterrupted run's (Keras restarts the epoch from its first
+batch, with the weights of its middle). The epoch Keras records for such a
+backup is the one it was taken in, also in a run that was itself resumed
+(Keras counts from 0 again there).
 """
 
 from __future__ import annotations
@@ -26,15 +35,22 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from tfmp import distributed
-from tfmp.strategy import atomic_files
+from tfmp.strategy import atomic_files, epoch_iterator
+from tfmp.strategy.extended import extended_of
+from tfmp.strategy.preemption import PREEMPTED_EXIT_CODE, notice
 
 _VERSION = re.compile(r"ckpt-(\d+)$")
 COMMIT_MARKER = "commit"
+# The key of tfmp's part of Keras' training_metadata.json.
+PROGRESS_KEY = "tfmp"
 
 
 def versioned_save(save_model: Callable) -> Callable:
@@ -45,6 +61,8 @@ def versioned_save(save_model: Callable) -> Callable:
     def wrapper(self):
         if not _is_local(self.backup_dir):
             return save_model(self)
+        # Read in every client, as every value a save reads.
+        progress = _progress(self)
         if not _is_chief():
             with tempfile.TemporaryDirectory() as scratch, _files_in(self, scratch):
                 return save_model(self)
@@ -53,6 +71,7 @@ def versioned_save(save_model: Callable) -> Callable:
         os.makedirs(directory)
         with _files_in(self, directory):
             save_model(self)
+        _record_progress(progress, os.path.join(directory, os.path.basename(self._training_metadata_path)))
         files = sorted(os.listdir(directory))
         for name in files:
             atomic_files.fsync_file(os.path.join(directory, name))
@@ -69,6 +88,7 @@ def newest_complete_load(load_model: Callable) -> Callable:
 
     @functools.wraps(load_model)
     def wrapper(self):
+        self._tfmp_resume = None
         if not _is_local(self.backup_dir) or not os.path.isdir(self.backup_dir):
             return load_model(self)
         if _is_chief():
@@ -86,6 +106,7 @@ def newest_complete_load(load_model: Callable) -> Callable:
             except (OSError, atomic_files.ChecksumMismatchError) as error:
                 failures.append((directory, error))
                 continue
+            _restore_progress(self, os.path.join(directory, os.path.basename(self._training_metadata_path)))
             if failures:
                 warnings.warn(
                     f"tfmp: BackupAndRestore could not load {failures[0][0]} ({failures[0][1]}); "
@@ -96,6 +117,148 @@ def newest_complete_load(load_model: Callable) -> Callable:
         raise failures[-1][1]
 
     return wrapper
+
+
+def armed_for_preemption(on_train_begin: Callable) -> Callable:
+    """`BackupAndRestore.on_train_begin`: restores as Keras does, then arms
+    the SIGTERM handler, and a backup taken mid-epoch skips the batches it
+    had done."""
+
+    @functools.wraps(on_train_begin)
+    def wrapper(self, logs=None):
+        on_train_begin(self, logs)
+        resume = getattr(self, "_tfmp_resume", None)
+        if resume is not None:
+            _check_same_batches(resume, (self.params or {}).get("steps"), self.backup_dir)
+        epoch_iterator.skip_in_next_epoch(resume["batches_done"] if resume else 0)
+        notice.arm()
+
+    return wrapper
+
+
+def disarmed(on_train_end: Callable) -> Callable:
+    """`BackupAndRestore.on_train_end`: the SIGTERM handler goes."""
+
+    @functools.wraps(on_train_end)
+    def wrapper(self, logs=None):
+        notice.disarm()
+        epoch_iterator.skip_in_next_epoch(0)
+        return on_train_end(self, logs)
+
+    return wrapper
+
+
+def resumed_epoch_begin(on_epoch_begin: Callable) -> Callable:
+    """`BackupAndRestore.on_epoch_begin`: knows the epoch it is in (Keras'
+    own counts from 0 in a resumed run), and the epoch a backup taken
+    mid-epoch resumes gets back its metric totals (`fit` reset them just
+    before)."""
+
+    @functools.wraps(on_epoch_begin)
+    def wrapper(self, epoch, logs=None):
+        self._current_epoch = epoch
+        resume = getattr(self, "_tfmp_resume", None)
+        if resume is not None:
+            self._tfmp_resume = None
+            _assign_metrics(self.model, resume["metrics"])
+        return on_epoch_begin(self, epoch, logs)
+
+    return wrapper
+
+
+def saved_on_preemption(on_train_batch_end: Callable) -> Callable:
+    """`BackupAndRestore.on_train_batch_end`: after a SIGTERM (in any client),
+    saves a backup of this batch and exits with `PREEMPTED_EXIT_CODE`."""
+
+    @functools.wraps(on_train_batch_end)
+    def wrapper(self, batch, logs=None):
+        self._tfmp_batches_done = batch + 1
+        try:
+            if notice.agreed(_mesh_of(self.model)):
+                self._save_model()
+                _exit_preempted(self, batch)
+            return on_train_batch_end(self, batch, logs)
+        finally:
+            self._tfmp_batches_done = None
+
+    return wrapper
+
+
+def _exit_preempted(callback: Any, batch: int) -> None:
+    print(
+        f"tfmp: preempted: saved a backup in {callback.backup_dir} after batch {batch + 1} "
+        f"of epoch {callback._current_epoch + 1} (as Keras counts them); exiting with "
+        f"status {PREEMPTED_EXIT_CODE}. Run the same command again to resume there.",
+        file=sys.stderr,
+        flush=True,
+    )
+    notice.disarm()
+    sys.exit(PREEMPTED_EXIT_CODE)
+
+
+def _mesh_of(model: Any) -> Any:
+    extended = extended_of(getattr(model, "distribute_strategy", None))
+    return None if extended is None else extended.home_mesh.dtensor_mesh
+
+
+def _progress(callback: Any) -> dict[str, Any] | None:
+    """How far into the epoch a backup taken at a batch end is, and the
+    metric totals there; None at an epoch end."""
+    batches_done = getattr(callback, "_tfmp_batches_done", None)
+    if batches_done is None:
+        return None
+    return {
+        "batches_done": batches_done,
+        "batches_per_epoch": (callback.params or {}).get("steps"),
+        "metrics": {v.path: np.asarray(v).tolist() for v in callback.model.metrics_variables},
+    }
+
+
+def _record_progress(progress: dict[str, Any] | None, metadata_path: str) -> None:
+    """Adds `progress` to the metadata Keras wrote."""
+    if progress is None or not os.path.exists(metadata_path):
+        return
+    with open(metadata_path) as file:
+        metadata = json.load(file)
+    metadata[PROGRESS_KEY] = progress
+    atomic_files.write_text(metadata_path, json.dumps(metadata))
+
+
+def _restore_progress(callback: Any, metadata_path: str) -> None:
+    if not os.path.exists(metadata_path):
+        return
+    with open(metadata_path) as file:
+        progress = json.load(file).get(PROGRESS_KEY)
+    if progress is None:
+        return
+    callback._tfmp_resume = progress
+    # Keras counts batches since its last backup from here.
+    callback._last_batch_seen = progress["batches_done"] - 1
+    callback._batches_seen_since_last_saving = 0
+
+
+def _check_same_batches(progress: dict[str, Any], batches_per_epoch: int | None, backup_dir: str) -> None:
+    """A mid-epoch resume skips batches by count: they must be the same batches."""
+    recorded = progress.get("batches_per_epoch")
+    if recorded and batches_per_epoch and recorded != batches_per_epoch:
+        raise ValueError(
+            f"BackupAndRestore: the backup in {backup_dir} was taken after batch "
+            f"{progress['batches_done']} of an epoch of {recorded} batches, but this fit's "
+            f"epochs have {batches_per_epoch}: resume with the data, batch_size and "
+            "steps_per_epoch it was trained with, or delete the backup to start over."
+        )
+
+
+def _assign_metrics(model: Any, values: dict[str, Any]) -> None:
+    variables = {v.path: v for v in model.metrics_variables}
+    if set(variables) != set(values):
+        raise ValueError(
+            "BackupAndRestore: the backup was taken in the middle of an epoch with the "
+            f"metric variables {sorted(values)}, but the model has {sorted(variables)}: "
+            "compile the model with the metrics it was trained with to resume it."
+        )
+    for path, value in values.items():
+        variables[path].assign(np.asarray(value, dtype=variables[path].dtype))
 
 
 def version_directory(backup_dir: str, number: int) -> str:

@@ -14,6 +14,13 @@ Here that pass reads nothing: it hands the build the dataset's element
 spec, whose shapes and dtypes are all the symbolic build uses (the batch
 dimension unknown, as in a `keras.Input`). Batches come from an
 `OnDemandDataset`, which reads nothing Keras does not ask for.
+
+A `BackupAndRestore` backup taken in the middle of an epoch resumes at the
+batch after it (`tfmp.strategy.backups`): the first epoch the next training
+pass opens reads the batches already trained on and hands them to no step,
+so the rest of the epoch trains on the rows it would have (with the data
+order of an uninterrupted run: no shuffling, or a seeded one). Keras itself
+restarts such an epoch from its first batch.
 """
 
 from __future__ import annotations
@@ -32,6 +39,46 @@ from tfmp.strategy.input import MeshDataset, OnDemandDataset
 
 _state = threading.local()
 _UNSET = object()
+
+
+def skip_in_next_epoch(batches: int) -> None:
+    """The next epoch any training pass opens starts after `batches` batches
+    (0: at its first); `BackupAndRestore` sets it when it restores."""
+    _state.skip = batches
+
+
+class ResumesMidEpoch:
+    """Skips the batches `skip_in_next_epoch` names (mixed in before Keras'
+    `TFEpochIterator` by `read_once`, for every model)."""
+
+    def __iter__(self) -> Any:
+        iterator = super().__iter__()
+        skip = getattr(_state, "skip", 0)
+        if skip and self._epoch_iterator is not None:
+            _state.skip = 0
+            self._epoch_iterator = _after(self._epoch_iterator, skip)
+        return iterator
+
+
+def _after(steps: Iterator[tuple[int, int, Any]], skip: int) -> Iterator[tuple[int, int, Any]]:
+    """Keras' `(first step, last step, iterator)` of an epoch from step `skip`
+    on, the batches before it read and dropped."""
+    for begin, end, iterator in steps:
+        if end < skip:
+            drop = getattr(iterator, "skip", None)
+            if drop is not None:
+                drop(end - begin + 1)
+            else:
+                for _ in range(end - begin + 1):
+                    next(iterator)
+            continue
+        if begin < skip:
+            raise ValueError(
+                f"BackupAndRestore: the backup was taken after batch {skip} of its epoch, "
+                f"which falls inside a call of {end - begin + 1} steps (batches {begin} to "
+                f"{end}): resume with the steps_per_execution the backup was written with."
+            )
+        yield begin, end, iterator
 
 
 @contextlib.contextmanager
@@ -97,11 +144,13 @@ class ReadOnceEpochs:
 
 def read_once(keras_class: type) -> Callable:
     """Wraps Keras' `TFEpochIterator` class: for a model of a tfmp strategy,
-    an epoch iterator with `ReadOnceEpochs` mixed in; any other, Keras' own."""
-    read_once_class = type(keras_class.__name__, (ReadOnceEpochs, keras_class), {})
+    an epoch iterator with `ReadOnceEpochs` mixed in; any other, Keras' own;
+    both resume mid-epoch (`ResumesMidEpoch`)."""
+    resuming_class = type(keras_class.__name__, (ResumesMidEpoch, keras_class), {})
+    read_once_class = type(keras_class.__name__, (ReadOnceEpochs, ResumesMidEpoch, keras_class), {})
 
     def epoch_iterator(*args: Any, distribute_strategy: Any = None, **kwargs: Any) -> Any:
-        chosen = keras_class if extended_of(distribute_strategy) is None else read_once_class
+        chosen = resuming_class if extended_of(distribute_strategy) is None else read_once_class
         return chosen(*args, distribute_strategy=distribute_strategy, **kwargs)
 
     return epoch_iterator

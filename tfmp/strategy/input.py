@@ -352,17 +352,15 @@ class OnDemandIterator:
     def __iter__(self) -> "OnDemandIterator":
         return self
 
+    def skip(self, count: int) -> None:
+        """Reads `count` batches on the host and drops them (a backup taken
+        mid-epoch resumes after them): nothing is sent to the mesh."""
+        for _ in range(count):
+            self._read_host()
+        self._undivided_rows = None
+
     def __next__(self) -> Any:
-        try:
-            with tf.device(_HOST):
-                batch = next(self._host_iterator)
-        except (StopIteration, tf.errors.OutOfRangeError):
-            self._first_step_graphs.finish()
-            if self._known_length:
-                raise StopIteration from None
-            # Keras stops an epoch of unknown length on OutOfRangeError; a plain
-            # StopIteration inside its step loop would leave it without outputs.
-            raise tf.errors.OutOfRangeError(None, None, "End of dataset.") from None
+        batch = self._read_host()
         if self._undivided_rows is not None:
             self._placer.warn_undivided(self._undivided_rows)
         rows = self._placer.batch_rows(batch)
@@ -370,6 +368,18 @@ class OnDemandIterator:
         self._undivided_rows = None if divides else rows
         self._first_step_graphs.on_batch()
         return pack(self._placer.split_batch(batch))
+
+    def _read_host(self) -> Any:
+        try:
+            with tf.device(_HOST):
+                return next(self._host_iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            self._first_step_graphs.finish()
+            if self._known_length:
+                raise StopIteration from None
+            # Keras stops an epoch of unknown length on OutOfRangeError; a plain
+            # StopIteration inside its step loop would leave it without outputs.
+            raise tf.errors.OutOfRangeError(None, None, "End of dataset.") from None
 
 
 class OneBatch(collections.namedtuple("OneBatch", ["batch"])):
