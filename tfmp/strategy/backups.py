@@ -7,7 +7,7 @@ loadable backup. Under tfmp each backup is a directory of its own,
 `backup_dir/ckpt-<n>/`, holding Keras' two files (written by Keras' own code)
 and, written last, a `commit` marker, as Orbax and PyTorch's distributed
 checkpoints do. A restart loads the newest committed directory and removes
-uncommitted ones; after each commit older directories are removed, keeping
+uncommitted and older ones; after each commit older directories are removed, keeping
 the newest one (two with `double_checkpoint=True`: a newest that fails to
 load, by its checksum or as HDF5, falls back to the one before, with a
 warning). Keras' own resume epoch, `save_freq` ("epoch" or every N batches)
@@ -107,6 +107,12 @@ def newest_complete_load(load_model: Callable) -> Callable:
                 failures.append((directory, error))
                 continue
             _restore_progress(self, os.path.join(directory, os.path.basename(self._training_metadata_path)))
+            if _is_chief():
+                # A kill after a commit, before the older backups were removed,
+                # leaves them: the next save would remove them too.
+                older = [n for n in committed if n < number]
+                for stale in older[1 if self.double_checkpoint else 0 :]:
+                    _remove_version(version_directory(self.backup_dir, stale))
             if failures:
                 warnings.warn(
                     f"tfmp: BackupAndRestore could not load {failures[0][0]} ({failures[0][1]}); "
