@@ -18,7 +18,7 @@ a flat baseline does not turn noise into a large ratio.
 
 Usage (from the repository root, on a shared machine under `nice -n 19`):
 
-    python bench/memory_growth.py              # 3,000 measured steps per run
+    python bench/memory_growth.py              # 2,000 measured steps per run
     python bench/memory_growth.py --quick      # 600
     python bench/memory_growth.py --steps-per-execution 8   # fit side only
 """
@@ -139,7 +139,7 @@ def allocator() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="600 measured steps per run")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--steps-per-execution", type=int, default=1)
