@@ -20,7 +20,7 @@ Usage (from the repository root, on a shared machine under `nice -n 19`):
 
     python bench/memory_growth.py              # 2,000 measured steps per run
     python bench/memory_growth.py --quick      # 600
-    python bench/memory_growth.py --steps-per-execution 8   # fit side only
+    python bench/memory_growth.py --steps-per-execution 8   # fit only
 """
 
 from __future__ import annotations
