@@ -175,6 +175,11 @@ def test_checkpoint_early_stopping_and_plateau_then_load_and_train_on(tmp_path):
     reference = callbacks_program(on_one_device(), str(tmp_path / "one"))
     mesh_run = callbacks_program(on_mesh(), str(tmp_path / "mesh"))
     assert_splits_over_model(mesh_run[0])
+    # The loaded optimizer's state is laid out like the weights it follows.
+    slots = {v.path.split("/")[-1]: v.value.layout.sharding_specs for v in mesh_run[0].optimizer.variables}
+    for variable in mesh_run[0].trainable_weights:
+        momentum = slots[f"{variable.path.replace('/', '_')}_momentum"]
+        assert momentum == variable.value.layout.sharding_specs, variable.path
     assert len(reference[1]["loss"]) < 4, "EarlyStopping did not stop the run early"
     assert min(reference[1]["learning_rate"]) < 0.05, "ReduceLROnPlateau did not cut the rate"
     assert_same_program_results(reference, mesh_run)
