@@ -266,3 +266,11 @@ class MinimalCell(keras.layers.Layer):
     def call(self, inputs, states):
         output = keras.ops.tanh(inputs @ self.kernel + states[0] @ self.recurrent_kernel)
         return output, [output]
+
+
+def table_row(text: str, start: str) -> list[str]:
+    """The cells of the first row of a tfmp table (`tfmp.summary`,
+    `tfmp.comm_report`) in `text` that starts with `start`; cells are apart by
+    two spaces or more."""
+    row = next(line.strip() for line in text.splitlines() if line.strip().startswith(start))
+    return re.split(r"\s{2,}", row)

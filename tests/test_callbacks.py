@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfmp
-from tfmp.callbacks.plot import _memory_series
+from tfmp.callbacks.plot import _memory_figure, _memory_series
 from helpers import MODELS, build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map
 
 WEIGHTS = initial_weights(build_mlp)
@@ -30,6 +30,7 @@ def test_memory_monitor_logs_layout_bytes_to_history_and_tensorboard(tmp_path):
     adam_bytes = 2 * PARAMETER_BYTES + 8 + 4  # two slots, iteration and learning rate
     for i in range(8):
         assert history.history[f"mem/CPU_{i}/param_bytes"] == [PARAMETER_BYTES + adam_bytes] * 2
+        assert history.history[f"mem/CPU_{i}/optimizer_bytes"] == [adam_bytes] * 2
         assert f"mem/CPU_{i}/peak_bytes" not in history.history  # CPU: not measurable
     assert history.history["mem/process/max_rss_bytes"][-1] > 0
     tags = set()
@@ -119,6 +120,9 @@ def test_plot_memory_writes_a_png_from_history_and_logdir(tmp_path):
     series, x_label = _memory_series(str(tmp_path / "steps"))
     assert x_label == "step"
     assert series["CPU_0", "param"][0] == [0, 2, 4]  # the start, then every 2 of 4 steps
+    # TensorBoard's epochs are counted from 1, as in History.
+    from_history, from_board = _memory_series(history), _memory_series(str(tmp_path / "logs"))
+    assert from_board[1] == "epoch" and from_board[0] == from_history[0]
     sources = ((history, "history.png"), (str(tmp_path / "logs"), "logdir.png"), (str(tmp_path / "steps"), "steps.png"))
     for source, name in sources:
         path = tfmp.plot_memory(source, str(tmp_path / name))
@@ -126,6 +130,35 @@ def test_plot_memory_writes_a_png_from_history_and_logdir(tmp_path):
             assert png.read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="DeviceMemoryMonitor"):
         tfmp.plot_memory({"loss": [1.0]}, str(tmp_path / "none.png"))
+
+
+def test_plot_memory_draws_units_merged_devices_and_the_even_share():
+    """Two groups of four devices holding different bytes, as two pipeline
+    stages do, over 3 epochs."""
+    history = {"loss": [1.0, 0.9, 0.8], "mem/process/max_rss_bytes": [2.0**30] * 3}
+    for i in range(8):
+        total, optimizer = (200, 130) if i < 4 else (100, 60)
+        history[f"mem/CPU_{i}/param_bytes"] = [total * 1024.0] * 3
+        history[f"mem/CPU_{i}/optimizer_bytes"] = [optimizer * 1024.0] * 3
+    over_time, per_device = _memory_figure(*_memory_series(history)).axes
+
+    legend = [text.get_text() for text in over_time.get_legend().get_texts()]
+    assert legend == [
+        "CPU:0-3 (parameters + optimizer)", "CPU:4-7 (parameters + optimizer)",
+        "even share (total / 8 devices)",
+    ]
+    assert over_time.get_ylabel() == "memory (KiB)" and over_time.get_xlabel() == "epoch"
+    assert [tick for tick in over_time.get_xticks() if 1 <= tick <= 3] == [1, 2, 3]
+    stage_0, stage_1, even_share = (list(line.get_ydata()) for line in over_time.get_lines())
+    assert (stage_0, stage_1, even_share) == ([200] * 3, [100] * 3, [150] * 3)
+
+    assert per_device.get_ylabel() == "shard bytes (KiB)"
+    parameters, optimizer = per_device.containers
+    assert [bar.get_height() for bar in parameters] == [70] * 4 + [40] * 4
+    assert [bar.get_height() for bar in optimizer] == [130] * 4 + [60] * 4
+    assert [bar.get_y() for bar in optimizer] == [70] * 4 + [40] * 4  # stacked
+    assert [label.get_text() for label in per_device.get_xticklabels()] == [f"CPU:{i}" for i in range(8)]
+    assert list(per_device.get_lines()[0].get_ydata()) == [150, 150]
 
 
 def reference_gradient_norms(name, x, y):

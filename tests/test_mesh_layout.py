@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import tfmp
-from helpers import build_mlp, build_on, initial_weights, mesh, mlp_layout_map
+from helpers import build_mlp, build_on, initial_weights, mesh, mlp_layout_map, table_row
 from tfmp import cli
+from tfmp.inspect.display import device_ranges, format_bytes
 from tfmp.inspect.summary import bytes_per_device
 from tfmp.layout import as_layout_map
 
@@ -74,7 +75,6 @@ def test_summary_counts_shard_bytes_per_device():
     with strategy.scope():
         model.optimizer.build(model.trainable_variables)
     text = tfmp.summary(model, print_fn=lambda _: None)
-    assert "mlp/up/kernel" in text and "(None, 'model')" in text and "(16, 8)" in text
     # up: 16*32/4 + 32/4, down: 32*8/4 + 8 (bias replicated) float32 values.
     parameters = 4 * (16 * 8 + 8 + 8 * 8 + 8)
     totals = bytes_per_device(model)
@@ -84,11 +84,49 @@ def test_summary_counts_shard_bytes_per_device():
         # Adam: two slots per variable with its layout, plus iteration and lr.
         assert kinds["optimizer"] == 2 * parameters + 8 + 4
 
+    lines = text.splitlines()
+    # Short device names; the full name once, in the first line.
+    assert lines[0] == "devices: CPU:0-7, short for /job:localhost/replica:0/task:0/device:CPU:0-7"
+    assert text.count("/device:") == 1
+    assert table_row(text, "mlp/up/kernel") == ["mlp/up/kernel", "(16, 32)", "(None, 'model')", "(16, 8)", "512 B"]
+    assert table_row(text, "mlp/down/bias") == ["mlp/down/bias", "(8,)", "(None,)", "(8,)", "32 B"]
+    # No variable is gathered on use: no "read as" column, no column of "same".
+    assert "read as" not in text and " same " not in text
+    # Every device holds the same: one line, in KiB. The replicated share:
+    # down/bias and its two slots, and Adam's two scalars, of the total.
+    replicated = 32 * 3 + 8 + 4
+    total = 3 * parameters + 12
+    assert table_row(text, "devices ") == ["devices", "parameters", "optimizer", "total", "replicated"]
+    assert table_row(text, "CPU:0-7 ") == ["CPU:0-7", "832 B", "1.6 KiB", "2.4 KiB", f"{replicated / total:.0%}"]
+    prose = " ".join(lines)
+    assert (
+        f"Replicated on CPU:0-7: {replicated / total:.0%} of each device's bytes, {replicated} B in "
+        "1 parameter variable (largest: mlp/down/bias 32 B) and 4 optimizer variables."
+    ) in prose
+    for column in ("layout:", "shard:", "replicated (held whole by every device"):
+        assert column in prose
+
 
 def test_summary_of_a_plain_model():
     model = build_mlp()
     text = tfmp.summary(model, print_fn=lambda _: None)
     assert "mlp/down/kernel" in text and " - " in text
+    assert "no variable is on a mesh" in text.splitlines()[0]
+    assert table_row(text, "CPU:0 ") == ["CPU:0", "3.2 KiB", "0 B", "3.2 KiB"]
+
+
+@pytest.mark.parametrize(
+    "size, text",
+    [(0, "0 B"), (1023, "1,023 B"), (1024, "1.0 KiB"), (39_852, "38.9 KiB"),
+     (5 * 2**20, "5.0 MiB"), (3 * 2**30, "3.0 GiB")],
+)
+def test_bytes_read_in_binary_units(size, text):
+    assert format_bytes(size) == text
+
+
+def test_devices_named_short_in_ranges():
+    assert device_ranges([f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1, 2, 5)]) == "CPU:0-2,5"
+    assert device_ranges(["GPU_1", "GPU_0", "task1_GPU_0"]) == "GPU:0-1, task1/GPU:0"
 
 
 def test_demo_trains_and_prints(capsys):

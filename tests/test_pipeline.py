@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import tfmp
-from helpers import assert_weights_close, build_layers_lm, compile_lm, compile_mlp, lm_data, train
+from helpers import assert_weights_close, build_layers_lm, compile_lm, compile_mlp, lm_data, table_row, train
+from tfmp.inspect.display import device_ranges, format_bytes
+from tfmp.inspect.summary import bytes_per_device
 
 STEPS = 5
 BATCH = 16
@@ -157,7 +159,14 @@ def test_tensor_parallel_stage_weights_are_split(tmp_path):
     kernel = model.get_layer("stage_1").group_layers[0].get_layer("ffn_in").kernel
     assert kernel.value.layout.sharding_specs == ["unsharded", "model"]
     text = tfmp.summary(model, print_fn=lambda _: None)
-    assert "stage 0:" in text and "stage 1:" in text
+    # A line per group of devices that hold the same: here each stage's four.
+    totals = {device_ranges([d]): kinds["total"] for d, kinds in bytes_per_device(model).items()}
+    for first, last in ((0, 3), (4, 7)):
+        held = {totals[f"CPU:{i}"] for i in range(first, last + 1)}
+        assert len(held) == 1
+        assert table_row(text, f"CPU:{first}-{last} ")[3] == format_bytes(held.pop())
+    stages = [table_row(text, f"stage {k} ")[0] for k in (0, 1)]
+    assert stages == ["stage 0", "stage 1"]
 
 
 def test_save_and_load_round_trip(tmp_path):

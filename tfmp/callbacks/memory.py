@@ -10,6 +10,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from tfmp.inspect.display import device_ranges, format_bytes
 from tfmp.inspect.summary import bytes_per_device
 
 
@@ -21,6 +22,8 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
 
     - `mem/<device>/param_bytes` (derived): bytes of the parameter and
       optimizer-slot shards the device holds, from the variables' layouts;
+    - `mem/<device>/optimizer_bytes` (derived): the optimizer variables' part
+      of `param_bytes`;
     - `mem/<device>/current_bytes`, `mem/<device>/peak_bytes` (measured): from
       `tf.config.experimental.get_memory_info` on GPU and TPU, the peak reset
       after each reading. CPU devices have no per-device allocator, so these
@@ -67,6 +70,7 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
         self.latest: dict[str, float] = {}
         self._steps = 0
         self._param_bytes: dict[str, int] = {}
+        self._optimizer_bytes: dict[str, int] = {}
         self._warned: set[str] = set()
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -95,12 +99,16 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         if not self._param_bytes and optimizer is not None and optimizer.built:
             # Computed once, from the layouts: they do not change while training.
-            self._param_bytes = {
-                device: kinds["total"]
-                for device, kinds in bytes_per_device(self.model).items()
+            per_device = bytes_per_device(self.model)
+            self._param_bytes = {device: kinds["total"] for device, kinds in per_device.items()}
+            self._optimizer_bytes = {
+                device: kinds["optimizer"] for device, kinds in per_device.items()
             }
         for device, size in self._param_bytes.items():
             self.latest[f"mem/{short_name(device)}/param_bytes"] = float(size)
+            self.latest[f"mem/{short_name(device)}/optimizer_bytes"] = float(
+                self._optimizer_bytes[device]
+            )
         for device in self._param_bytes:
             info = _memory_info(device)
             if info is None:
@@ -124,9 +132,9 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
         if limit and peak > self.warn_fraction * limit and device not in self._warned:
             self._warned.add(device)
             warnings.warn(
-                f"tfmp: {device} peaked at {peak:,} bytes, over {self.warn_fraction:.0%} "
-                f"of its {limit:,}-byte limit. Split more weights over the mesh or lower "
-                "the batch size before it runs out of memory.",
+                f"tfmp: {device_ranges([device])} peaked at {format_bytes(peak)}, over "
+                f"{self.warn_fraction:.0%} of its {format_bytes(limit)} limit. Split more "
+                "weights over the mesh or lower the batch size before it runs out of memory.",
                 stacklevel=2,
             )
 
@@ -138,9 +146,10 @@ class DeviceMemoryMonitor(keras.callbacks.Callback):
         if mean and largest > self.imbalance_ratio * mean:
             self._warned.add("imbalance")
             warnings.warn(
-                f"tfmp: {device} holds {largest:,} bytes of parameters and optimizer "
-                f"slots, {largest / mean:.1f}x the mesh mean of {mean:,.0f}. See "
-                "tfmp.summary(model) for which variables are not split.",
+                f"tfmp: {device_ranges([device])} holds {format_bytes(largest)} of parameters "
+                f"and optimizer slots, {largest / mean:.1f}x the mesh mean of "
+                f"{format_bytes(mean)}. See tfmp.summary(model) for which variables are "
+                "not split.",
                 stacklevel=2,
             )
 

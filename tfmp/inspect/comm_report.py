@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp.forward import GATHER_SCOPE
+from tfmp.inspect.display import format_bytes, render_table
 from tfmp.strategy.extended import ModelParallelExtended
 from tfmp.strategy.graph_capture import first_step_graphs_of, is_train_step
 
@@ -86,14 +87,14 @@ class CommReport:
         return {key: tuple(value) for key, value in sorted(totals.items())}
 
     def __str__(self) -> str:
-        rows = [("category", "phase", "mesh axis", "kind", "count", "bytes/device/step")]
-        for (category, phase, axes, kind), (count, size) in self.totals().items():
-            rows.append((category, phase, axes, kind, str(count), f"{size:,}"))
+        rows = [
+            (category, phase, axes, kind, str(count), format_bytes(size))
+            for (category, phase, axes, kind), (count, size) in self.totals().items()
+        ]
         total = sum(c.bytes for c in self.collectives)
-        rows.append(("total", "", "", "", str(len(self.collectives)), f"{total:,}"))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-        lines.insert(1, "-" * len(lines[0]))
+        rows.append(("total", "", "", "", str(len(self.collectives)), format_bytes(total)))
+        header = ("category", "phase", "mesh axis", "kind", "count", "bytes/device/step")
+        lines = [render_table(header, rows, right=("count", "bytes/device/step"))]
         unread = self.unread()
         if unread:
             lines.append(
@@ -130,9 +131,10 @@ def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> Com
     Examples:
         >>> history = model.fit(x, y, epochs=1, verbose=0)
         >>> report = tfmp.comm_report(model)
-        category     phase     mesh axis  kind        count  bytes/device/step
+        category     phase      mesh axis   kind         count   bytes/device/step
+        ───────────────────────────────────────────────────────────────────────────
         ...
-        gradients    backward  batch      all-reduce  4      1,360
+        gradients    backward   batch       all-reduce       4             1.3 KiB
         total ...
     """
     extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
+import textwrap
 from typing import Any, Callable
 
+import tensorflow as tf
+
+from tfmp.inspect.display import Device, device_ranges, format_bytes, render_table
 from tfmp.layout import layout_axes
 
 
@@ -104,15 +109,18 @@ def bytes_per_stage(model: Any) -> dict[int, dict[str, int]]:
 
 
 def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
-    """Prints each variable's layout, per-device shard shape and bytes.
+    """Prints each variable's layout and shard, and what every device holds.
 
-    A variable stored split over the batch axis (fully sharded, or by a rule)
-    is read by its layer with that axis gathered: the "read as" column shows
-    that compute layout where it differs from the stored one.
+    One row per model variable: its path, shape, layout and the shard one
+    device holds. A variable stored split over the batch axis (fully sharded,
+    or by a rule) is read by its layer with that axis gathered: a "read as"
+    column then shows that compute layout where it differs from the stored one.
 
-    Below the table: per device, the bytes of parameters and optimizer
-    variables it holds, and the fraction of those bytes that are replicated;
-    for a pipeline, each stage's parameter bytes, so imbalance shows.
+    Below the table: the bytes of parameters and optimizer variables each
+    device holds, one line for devices that hold the same, and which share of
+    those bytes is replicated (held whole by every device), in which
+    variables; for a pipeline, each stage's parameter bytes, so imbalance
+    shows. Devices are named short (`CPU:3`), their full name given once.
 
     Args:
         model: A built Keras model (compiled, to include optimizer variables
@@ -124,52 +132,164 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
 
     Examples:
         >>> text = tfmp.summary(model)
-        variable                   shape     layout           read as  per-device shape  bytes/device
-        ---...
-        sequential/dense/kernel    (16, 64)  (None, 'model')  same     (16, 16)          1,024
+        devices: CPU:0-7, short for /job:localhost/replica:0/task:0/device:CPU:0-7
+        <BLANKLINE>
+        variable                 shape     layout           shard        bytes
+        ───────────────────────────────────────────────────────────────────────
+        mlp/up/kernel            (16, 32)  (None, 'model')  (16, 8)    512 B
+        ...
+        devices    parameters  optimizer      total  replicated
+        ─────────────────────────────────────────────────────────
+        CPU:0-7       1.2 KiB    2.4 KiB    3.6 KiB          0%
         ...
     """
     rows = placements(model)
-    table = [("variable", "shape", "layout", "read as", "per-device shape", "bytes/device")]
-    for row in rows:
-        if row.is_slot:
-            continue
-        layout = "-" if row.axes is None else str(row.axes)
-        read_as = str(row.compute_axes) if row.gathered_on_use else "same"
-        table.append(
-            (
-                row.path,
-                str(row.shape),
-                layout,
-                read_as,
-                str(row.shard_shape),
-                f"{row.shard_bytes:,}",
-            )
-        )
-    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in table]
-    lines.insert(1, "-" * len(lines[0]))
-
-    replicated: dict[str, int] = collections.Counter()
-    for row in rows:
-        if row.replicated:
-            for device in row.devices:
-                replicated[device] += row.shard_bytes
-    lines += ["", "per device: parameters + optimizer variables"]
-    for device, kinds in sorted(bytes_per_device(model).items()):
-        fraction = replicated[device] / kinds["total"] if kinds["total"] else 0.0
-        lines.append(
-            f"  {device}: {kinds['parameters']:,} + {kinds['optimizer']:,} = "
-            f"{kinds['total']:,} bytes ({fraction:.0%} replicated)"
-        )
+    on_mesh = any(row.axes is not None for row in rows)
+    all_devices = {device for row in rows for device in row.devices}
+    lines = [_devices_line(all_devices, on_mesh), "", _variable_table(rows), ""]
+    lines += _variable_legend(rows, on_mesh)
+    totals = bytes_per_device(model)
+    lines += ["", _device_table(totals, rows, on_mesh)]
+    if on_mesh:
+        lines += [""] + _replicated_lines(rows, totals)
     stages = bytes_per_stage(model)
     if stages:
-        lines += ["", "per pipeline stage: parameters (whole) / most on one device"]
-        for stage, sizes in stages.items():
-            lines.append(
-                f"  stage {stage}: {sizes['parameters']:,} bytes / "
-                f"{sizes['largest_device']:,} bytes"
+        lines += ["", "per pipeline stage:"]
+        lines.append(
+            render_table(
+                ("stage", "parameters", "fullest device"),
+                [
+                    (f"stage {stage}", format_bytes(sizes["parameters"]),
+                     format_bytes(sizes["largest_device"]))
+                    for stage, sizes in stages.items()
+                ],
+                right=("parameters", "fullest device"),
             )
+        )
+        lines += _wrap(
+            "parameters: the stage's parameters, whole; fullest device: the most one "
+            "of its devices holds (parameters and optimizer variables)."
+        )
     text = "\n".join(lines)
     (print_fn or print)(text)
     return text
+
+
+def _devices_line(devices: set[str], on_mesh: bool) -> str:
+    specs = sorted({tf.DeviceSpec.from_string(d) for d in devices}, key=lambda s: s.to_string())
+    names = device_ranges(devices)
+    first = specs[0]
+    if len({(s.job, s.replica, s.task, s.device_type) for s in specs}) == 1:
+        full = (f"/job:{first.job}/replica:{first.replica}/task:{first.task}/"
+                f"device:{names.rpartition('/')[2]}")
+    else:
+        full = f"/job:{first.job}/replica:{first.replica}/task:<task>/device:<type>:<index>"
+    line = f"devices: {names}, short for {full}"
+    if not on_mesh:
+        line += " (no variable is on a mesh: the model was built outside a tfmp strategy's scope)"
+    return line
+
+
+def _variable_table(rows: list[VariablePlacement]) -> str:
+    read_as = any(row.gathered_on_use for row in rows)
+    header = ("variable", "shape", "layout") + (("read as",) if read_as else ()) + (
+        "shard", "bytes")
+    table = []
+    for row in rows:
+        if row.is_slot:
+            continue
+        cells = [row.path, str(row.shape), "-" if row.axes is None else str(row.axes)]
+        if read_as:
+            cells.append(str(row.compute_axes) if row.gathered_on_use else "")
+        cells += [str(row.shard_shape), format_bytes(row.shard_bytes)]
+        table.append(cells)
+    return render_table(header, table, right=("bytes",))
+
+
+def _variable_legend(rows: list[VariablePlacement], on_mesh: bool) -> list[str]:
+    if not on_mesh:
+        return ["layout -: on one device, not on a mesh; shard: the whole variable."]
+    legend = [
+        "layout: the mesh axis each dimension is split over (None: not split); shard: the",
+        "part one device holds, and its bytes.",
+    ]
+    if any(row.gathered_on_use for row in rows):
+        legend.append(
+            "read as: the layout its layer reads it in, gathered over the batch axis "
+            "(blank: as stored)."
+        )
+    legend.append("Optimizer variables take their variable's layout and are counted below.")
+    return legend
+
+
+def _device_table(
+    totals: dict[str, dict[str, int]], rows: list[VariablePlacement], on_mesh: bool
+) -> str:
+    replicated: dict[str, int] = collections.Counter()
+    for row in rows:
+        if row.replicated and row.axes is not None:
+            for device in row.devices:
+                replicated[device] += row.shard_bytes
+    groups: dict[tuple, list[str]] = {}
+    for device, kinds in totals.items():
+        fraction = replicated[device] / kinds["total"] if kinds["total"] else 0.0
+        key = (kinds["parameters"], kinds["optimizer"], kinds["total"], fraction)
+        groups.setdefault(key, []).append(device)
+    header = ("devices", "parameters", "optimizer", "total") + (
+        ("replicated",) if on_mesh else ())
+    table = []
+    for (parameters, optimizer, total, fraction), devices in sorted(
+        groups.items(), key=lambda item: Device.parse(min(item[1], key=Device.parse))
+    ):
+        cells = [device_ranges(devices), format_bytes(parameters), format_bytes(optimizer),
+                 format_bytes(total)]
+        if on_mesh:
+            cells.append(_percent(fraction))
+        table.append(cells)
+    return render_table(header, table, right=header[1:])
+
+
+def _replicated_lines(
+    rows: list[VariablePlacement], totals: dict[str, dict[str, int]]
+) -> list[str]:
+    """What the devices hold replicated, per group of devices that hold it."""
+    by_devices: dict[tuple[str, ...], list[VariablePlacement]] = {}
+    for row in rows:
+        if row.replicated and row.axes is not None:
+            by_devices.setdefault(row.devices, []).append(row)
+    text = (
+        "Each device on a line holds: its shards of the parameters and of the optimizer "
+        "variables, their total, and the share of that total replicated (held whole by "
+        "every device, split over no mesh axis)."
+    )
+    if not by_devices:
+        text += " Nothing is replicated: every variable is split over a mesh axis."
+    for devices, replicated in by_devices.items():
+        parameters = sorted(
+            (row for row in replicated if not row.is_slot), key=lambda r: -r.shard_bytes
+        )
+        largest = "; ".join(f"{r.path} {format_bytes(r.shard_bytes)}" for r in parameters[:3])
+        size = sum(r.shard_bytes for r in replicated)
+        share = size / totals[devices[0]]["total"]
+        text += (
+            f" Replicated on {device_ranges(devices)}: {_percent(share)} of each device's bytes, "
+            f"{format_bytes(size)} in {_count(len(parameters), 'parameter variable')}"
+            + (f" (largest: {largest})" if largest else "")
+            + f" and {_count(len(replicated) - len(parameters), 'optimizer variable')}."
+        )
+    return _wrap(text)
+
+
+def _wrap(text: str) -> list[str]:
+    """`text` in lines of at most 88 characters, a size never cut from its unit."""
+    kept_whole = re.sub(r"(\d) (B|[KMGT]iB)\b", "\\1\u00a0\\2", text)
+    return [line.replace("\u00a0", " ") for line in textwrap.wrap(kept_whole, width=88)]
+
+
+def _percent(fraction: float) -> str:
+    """`0.06` -> `"6%"`; a share that rounds to 0% but is not nothing -> `"<1%"`."""
+    return "<1%" if 0 < fraction < 0.005 else f"{fraction:.0%}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' if number != 1 else ''}"
