@@ -133,15 +133,19 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
     Examples:
         >>> text = tfmp.summary(model)
         devices: CPU:0-7, short for /job:localhost/replica:0/task:0/device:CPU:0-7
-        <BLANKLINE>
-        variable                 shape     layout           shard        bytes
-        ───────────────────────────────────────────────────────────────────────
-        mlp/up/kernel            (16, 32)  (None, 'model')  (16, 8)    512 B
+
+        variable          shape      layout            shard     bytes
+        ──────────────────────────────────────────────────────────────
+        mlp/up/kernel     (16, 32)   (None, 'model')   (16, 8)   512 B
+        mlp/up/bias       (32,)      ('model',)        (8,)       32 B
+        mlp/down/kernel   (32, 8)    ('model', None)   (8, 8)    256 B
+        mlp/down/bias     (8,)       (None,)           (8,)       32 B
         ...
-        devices    parameters  optimizer      total  replicated
-        ─────────────────────────────────────────────────────────
-        CPU:0-7       1.2 KiB    2.4 KiB    3.6 KiB          0%
-        ...
+        devices   parameters   optimizer     total   replicated
+        ───────────────────────────────────────────────────────
+        CPU:0-7        832 B     1.6 KiB   2.4 KiB           4%
+        ... Replicated on CPU:0-7: 4% of each device's bytes,
+        108 B in 1 parameter variable (largest: mlp/down/bias 32 B) and 4 optimizer variables.
     """
     rows = placements(model)
     on_mesh = any(row.axes is not None for row in rows)
@@ -209,17 +213,16 @@ def _variable_table(rows: list[VariablePlacement]) -> str:
 def _variable_legend(rows: list[VariablePlacement], on_mesh: bool) -> list[str]:
     if not on_mesh:
         return ["layout -: on one device, not on a mesh; shard: the whole variable."]
-    legend = [
-        "layout: the mesh axis each dimension is split over (None: not split); shard: the",
-        "part one device holds, and its bytes.",
-    ]
+    legend = (
+        "layout: the mesh axis each dimension is split over (None: not split); shard: "
+        "the part one device holds, and its bytes."
+    )
     if any(row.gathered_on_use for row in rows):
-        legend.append(
-            "read as: the layout its layer reads it in, gathered over the batch axis "
+        legend += (
+            " read as: the layout its layer reads it in, gathered over the batch axis "
             "(blank: as stored)."
         )
-    legend.append("Optimizer variables take their variable's layout and are counted below.")
-    return legend
+    return _wrap(legend + " Optimizer variables take their variable's layout and are counted below.")
 
 
 def _device_table(
@@ -271,11 +274,14 @@ def _replicated_lines(
         largest = "; ".join(f"{r.path} {format_bytes(r.shard_bytes)}" for r in parameters[:3])
         size = sum(r.shard_bytes for r in replicated)
         share = size / totals[devices[0]]["total"]
+        held = []
+        if parameters:
+            held.append(f"{_count(len(parameters), 'parameter variable')} (largest: {largest})")
+        if len(replicated) > len(parameters):
+            held.append(_count(len(replicated) - len(parameters), "optimizer variable"))
         text += (
-            f" Replicated on {device_ranges(devices)}: {_percent(share)} of each device's bytes, "
-            f"{format_bytes(size)} in {_count(len(parameters), 'parameter variable')}"
-            + (f" (largest: {largest})" if largest else "")
-            + f" and {_count(len(replicated) - len(parameters), 'optimizer variable')}."
+            f" Replicated on {device_ranges(devices)}: {_percent(share)} of each device's "
+            f"bytes, {format_bytes(size)} in {' and '.join(held)}."
         )
     return _wrap(text)
 
