@@ -12,7 +12,7 @@ setup(
     python_requires=">=3.10",
     # The ranges tfmp is tested on (tfmp/integrations/ declares the same, and
     # CI runs a subset on the lowest Keras): TensorFlow 2.21 needs Keras >= 3.12.
-    install_requires=["tensorflow>=2.21,<2.22", "keras>=3.12,<3.16", "numpy"],
+    install_requires=["tensorflow>=2.21,<2.22", "keras>=3.12,<3.16", "numpy", "rich"],
     extras_require={
         "test": [
             "pytest>=7",
@@ -50,7 +50,8 @@ setup(
             "promise",
             "tensorflow-metadata",
         ],
-        "plot": ["matplotlib"],
+        # tensorboard reads the log directories plot_memory is given.
+        "plot": ["matplotlib", "tensorboard"],
     },
     entry_points={"console_scripts": ["tfmp=tfmp.cli:main"]},
 )

@@ -85,6 +85,8 @@ def test_summary_counts_shard_bytes_per_device():
         assert kinds["optimizer"] == 2 * parameters + 8 + 4
 
     lines = text.splitlines()
+    # Plain text for a log or a notebook: no colour codes, no cell cut short.
+    assert "\x1b" not in text and "\u2026" not in text
     # Short device names; the full name once, in the first line.
     assert lines[0] == "devices: CPU:0-7, short for /job:localhost/replica:0/task:0/device:CPU:0-7"
     assert text.count("/device:") == 1

@@ -6,14 +6,9 @@ import os
 import re
 from typing import Any
 
-from tensorboard.backend.event_processing import event_accumulator
-from tensorboard.util import tensor_util
-
 from tfmp.inspect.display import Device, byte_unit, device_ranges
 
 _KEY = re.compile(r"^(?:epoch_)?mem/(?P<device>[^/]+)/(?P<figure>\w+)_bytes$")
-# Keep every reading: by default the accumulator samples 10 tensors per tag.
-_ALL_READINGS = {event_accumulator.TENSORS: 0, event_accumulator.SCALARS: 0}
 _FIGURE_NAMES = {"peak": "measured peak", "param": "parameters + optimizer"}
 
 Series = dict[tuple[str, str], tuple[list, list]]
@@ -42,7 +37,8 @@ def plot_memory(history_or_logdir: Any, path: str) -> str:
 
     Raises:
         ValueError: If no `mem/...` figures are found.
-        ImportError: If matplotlib is missing (`pip install "tfmp[plot]"`).
+        ImportError: If matplotlib is missing, or tensorboard for a log
+            directory (`pip install "tfmp[plot]"`).
 
     Examples:
         >>> history = model.fit(x, y, callbacks=[tfmp.callbacks.DeviceMemoryMonitor()], verbose=0)
@@ -161,7 +157,17 @@ def _read_run(run_dir: str, first: int) -> dict[str, dict[int, float]]:
     """`tag -> step -> value` of a run's memory scalars, its steps from `first`."""
     if not os.path.isdir(run_dir):
         return {}
-    run = event_accumulator.EventAccumulator(run_dir, size_guidance=_ALL_READINGS)
+    try:
+        from tensorboard.backend.event_processing import event_accumulator
+        from tensorboard.util import tensor_util
+    except ImportError as error:
+        raise ImportError(
+            f"tfmp.plot_memory reads the log directory {run_dir!r} with TensorBoard: "
+            'pip install "tfmp[plot]" (or pip install tensorboard), or pass the History.'
+        ) from error
+    # Every reading: by default the accumulator keeps a sample of 10 tensors per tag.
+    every_reading = {event_accumulator.TENSORS: 0, event_accumulator.SCALARS: 0}
+    run = event_accumulator.EventAccumulator(run_dir, size_guidance=every_reading)
     run.Reload()
     tags = run.Tags()
     points: dict[str, dict[int, float]] = {}
