@@ -1,7 +1,6 @@
 """The example scripts run, in their small modes."""
 
 import os
-import re
 import subprocess
 import sys
 

@@ -152,10 +152,10 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
     all_devices = {device for row in rows for device in row.devices}
     lines = [_devices_line(all_devices, on_mesh), "", _variable_table(rows), ""]
     lines += _variable_legend(rows, on_mesh)
-    totals = bytes_per_device(model)
-    lines += ["", _device_table(totals, rows, on_mesh)]
+    groups = _device_groups(bytes_per_device(model), rows)
+    lines += ["", _device_table(groups, on_mesh)]
     if on_mesh:
-        lines += [""] + _replicated_lines(rows, totals)
+        lines += [""] + _replicated_lines(groups)
     stages = bytes_per_stage(model)
     if stages:
         lines += ["", "per pipeline stage:"]
@@ -225,63 +225,78 @@ def _variable_legend(rows: list[VariablePlacement], on_mesh: bool) -> list[str]:
     return _wrap(legend + " Optimizer variables take their variable's layout and are counted below.")
 
 
-def _device_table(
-    totals: dict[str, dict[str, int]], rows: list[VariablePlacement], on_mesh: bool
-) -> str:
-    replicated: dict[str, int] = collections.Counter()
-    for row in rows:
-        if row.replicated and row.axes is not None:
-            for device in row.devices:
-                replicated[device] += row.shard_bytes
-    groups: dict[tuple, list[str]] = {}
-    for device, kinds in totals.items():
-        fraction = replicated[device] / kinds["total"] if kinds["total"] else 0.0
-        key = (kinds["parameters"], kinds["optimizer"], kinds["total"], fraction)
-        groups.setdefault(key, []).append(device)
+@dataclasses.dataclass
+class _DeviceGroup:
+    """Devices that hold the same bytes, and the replicated variables among them."""
+
+    devices: list[str]
+    kinds: dict[str, int]
+    replicated: list[VariablePlacement]
+
+    @property
+    def replicated_share(self) -> float:
+        held = sum(row.shard_bytes for row in self.replicated)
+        return held / self.kinds["total"] if self.kinds["total"] else 0.0
+
+
+def _device_groups(
+    totals: dict[str, dict[str, int]], rows: list[VariablePlacement]
+) -> list[_DeviceGroup]:
+    """Devices grouped by what they hold, in device order."""
+    groups: dict[tuple, _DeviceGroup] = {}
+    for device in sorted(totals, key=Device.parse):
+        replicated = [
+            row for row in rows
+            if row.replicated and row.axes is not None and device in row.devices
+        ]
+        key = (tuple(totals[device].values()), tuple(row.path for row in replicated))
+        if key in groups:
+            groups[key].devices.append(device)
+        else:
+            groups[key] = _DeviceGroup([device], totals[device], replicated)
+    return list(groups.values())
+
+
+def _device_table(groups: list[_DeviceGroup], on_mesh: bool) -> str:
     header = ("devices", "parameters", "optimizer", "total") + (
         ("replicated",) if on_mesh else ())
     table = []
-    for (parameters, optimizer, total, fraction), devices in sorted(
-        groups.items(), key=lambda item: Device.parse(min(item[1], key=Device.parse))
-    ):
-        cells = [device_ranges(devices), format_bytes(parameters), format_bytes(optimizer),
-                 format_bytes(total)]
+    for group in groups:
+        cells = [device_ranges(group.devices)] + [
+            format_bytes(group.kinds[kind]) for kind in ("parameters", "optimizer", "total")
+        ]
         if on_mesh:
-            cells.append(_percent(fraction))
+            cells.append(_percent(group.replicated_share))
         table.append(cells)
     return render_table(header, table, right=header[1:])
 
 
-def _replicated_lines(
-    rows: list[VariablePlacement], totals: dict[str, dict[str, int]]
-) -> list[str]:
-    """What the devices hold replicated, per group of devices that hold it."""
-    by_devices: dict[tuple[str, ...], list[VariablePlacement]] = {}
-    for row in rows:
-        if row.replicated and row.axes is not None:
-            by_devices.setdefault(row.devices, []).append(row)
+def _replicated_lines(groups: list[_DeviceGroup]) -> list[str]:
+    """The device table explained, and the replicated variables of each line."""
     text = (
         "Each device on a line holds: its shards of the parameters and of the optimizer "
         "variables, their total, and the share of that total replicated (held whole by "
         "every device, split over no mesh axis)."
     )
-    if not by_devices:
+    if not any(group.replicated for group in groups):
         text += " Nothing is replicated: every variable is split over a mesh axis."
-    for devices, replicated in by_devices.items():
+    for group in groups:
+        if not group.replicated:
+            continue
         parameters = sorted(
-            (row for row in replicated if not row.is_slot), key=lambda r: -r.shard_bytes
+            (row for row in group.replicated if not row.is_slot), key=lambda r: -r.shard_bytes
         )
         largest = "; ".join(f"{r.path} {format_bytes(r.shard_bytes)}" for r in parameters[:3])
-        size = sum(r.shard_bytes for r in replicated)
-        share = size / totals[devices[0]]["total"]
         held = []
         if parameters:
             held.append(f"{_count(len(parameters), 'parameter variable')} (largest: {largest})")
-        if len(replicated) > len(parameters):
-            held.append(_count(len(replicated) - len(parameters), "optimizer variable"))
+        if len(group.replicated) > len(parameters):
+            held.append(_count(len(group.replicated) - len(parameters), "optimizer variable"))
+        size = sum(row.shard_bytes for row in group.replicated)
         text += (
-            f" Replicated on {device_ranges(devices)}: {_percent(share)} of each device's "
-            f"bytes, {format_bytes(size)} in {' and '.join(held)}."
+            f" Replicated on {device_ranges(group.devices)}: "
+            f"{_percent(group.replicated_share)} of each device's bytes, "
+            f"{format_bytes(size)} in {' and '.join(held)}."
         )
     return _wrap(text)
 
