@@ -15,7 +15,7 @@ from tensorflow.python.distribute import distribute_lib
 
 from tfmp import integrations
 from tfmp.auto_layout import auto_layout, has_weights
-from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, replicated
+from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, explicit_layout, replicated
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy import agreement
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
@@ -113,8 +113,15 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         )
         stage = self.stages.stage_of_new_variable(keras_variable, colocate_with)
         mesh = self.stages.mesh_of(stage)
-        declared = declared_layout(path, keras_variable)
         rule = self.layout_map.match(path)
+        # Keras hands an optimizer slot its variable's `layout=` too, which
+        # need not fit a slot of another shape (a factored second moment):
+        # slots are laid out by their variable (or the rules) instead.
+        explicit = explicit_layout(keras_variable) if colocate_with is None else None
+        if explicit is not None:
+            declared, rule = explicit, None
+        else:
+            declared = declared_layout(path, keras_variable)
 
         def initial_value_on_mesh():
             # Computed on the host so that each device only ever holds its shard.
@@ -278,7 +285,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         plan = auto_layout(model, self.mesh, self.auto_axis)
         for variable in model.variables:
             match = plan.match(variable.path)
-            if match is None:
+            if match is None or explicit_layout(variable) is not None:
                 continue
             mesh = self.stages.mesh_of(variable.value.stage)
             layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
