@@ -30,6 +30,7 @@ from tfmp.strategy.variable_layout import (
     keras_variable_being_created,
     resolve_layout,
 )
+from tfmp.strategy.watchdog import watch_custom_loop_steps
 
 # Keyword arguments of tf.Variable creation that a DVariable does not take.
 _DROPPED_VARIABLE_KWARGS = ("use_resource", "expected_shape", "caching_device")
@@ -382,6 +383,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         if not self._keras_methods:
             with tf.init_scope():  # a custom loop's step: before it runs
                 self.check_clients_agree(list(self.models))
+            watch_custom_loop_steps()
         if tf.executing_eagerly():
             args, kwargs = self.placer.place((args, kwargs))
         self.note_step_rows((args, kwargs))

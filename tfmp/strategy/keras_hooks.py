@@ -44,7 +44,7 @@ from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
 from tfmp.strategy.variable_layout import creating
-from tfmp.strategy.watchdog import watched_call, with_step_watch
+from tfmp.strategy.watchdog import watch_custom_loop_steps, watched_call, with_step_watch
 
 _state = threading.local()
 _VALUE_DTYPES = dtypes.TF_VALUE_DTYPES
@@ -250,6 +250,7 @@ def on_batch(method: Callable) -> Callable:
             placer = placer_for(self)
             if placer is None:
                 return method(self, *args, **kwargs)
+            watch_custom_loop_steps()
             bound = signature.bind(self, *args, **kwargs)
             data = bound.arguments
             if data.get("class_weight") is not None and data.get("sample_weight") is None:
