@@ -262,3 +262,26 @@ def test_layout_map_of_another_mesh_is_refused():
     )
     with pytest.raises(ValueError, match=r"keras.distribution.LayoutMap was built on a mesh of shape \(2, 4\)"):
         tfmp.ModelParallelStrategy(mesh((1, 8)), keras_map)
+
+
+def test_a_model_built_outside_the_scope_is_named_at_compile_and_fit():
+    """A newcomer's first mistake: the model made before `strategy.scope()`.
+    Keras would stop only inside fit's step, naming the call."""
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 4)), layout_map="auto")
+    outside = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)], name="made_outside")
+    with strategy.scope():
+        with pytest.raises(ValueError, match=r"'made_outside' was built outside strategy\.scope\(\), and `compile`.*Build the model inside the scope"):
+            outside.compile("sgd", "mse")
+    outside.compile("sgd", "mse")
+    x, y = np.zeros((8, 8), "float32"), np.zeros((8, 4), "float32")
+    with strategy.scope():
+        for call in (lambda: outside.fit(x, y, verbose=0), lambda: outside.train_on_batch(x, y)):
+            with pytest.raises(ValueError, match=r"'made_outside' was built outside strategy\.scope\(\)"):
+                call()
+    other = tfmp.ModelParallelStrategy(mesh((8,), ("batch",)))
+    with other.scope():
+        elsewhere = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)], name="made_elsewhere")
+    with strategy.scope():
+        with pytest.raises(ValueError, match=r"'made_elsewhere' was built under another strategy"):
+            elsewhere.compile("sgd", "mse")
+    assert outside.fit(x, y, verbose=0).history["loss"]  # outside every scope: plain Keras, as before

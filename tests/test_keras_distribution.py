@@ -133,6 +133,56 @@ def test_model_parallel_mlp_with_set_distribution_matches_one_device(mlp):
     assert strategy.layout_map.unmatched_keys() == []
 
 
+class OwnLayoutDense(keras.layers.Layer):
+    """A layer written for Keras on JAX that gives its kernel a layout of its
+    own, `keras.Variable(..., layout=...)`."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.kernel = keras.Variable(
+            keras.initializers.GlorotUniform(seed=3)((input_shape[-1], self.units)),
+            name="kernel",
+            layout=keras.distribution.TensorLayout((None, "model")),
+        )
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.kernel)
+
+
+def build_own_layout_mlp():
+    return keras.Sequential(
+        [keras.Input((16,)), OwnLayoutDense(32, name="up"), keras.layers.Dense(8, name="down")],
+        name="mlp",
+    )
+
+
+def test_rules_added_after_set_distribution_and_variable_layouts_apply_as_on_jax():
+    """On JAX a variable's own `layout=` wins over the layout map, and the map
+    is read as each variable is made, so rules added after `set_distribution`
+    apply to a model built later."""
+    x, y = mlp_data(N)
+    weights = initial_weights(build_own_layout_mlp)
+    reference = one_device(build_own_layout_mlp, compile_mlp, weights, x, y)
+
+    layout_map = keras_layout_map({".*up/kernel": ("model", None)})  # the variable's own layout wins
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    layout_map[".*down/kernel"] = ("model", None)  # added after set_distribution
+    model = build_own_layout_mlp()
+    model.set_weights(weights)
+    compile_mlp(model)
+    losses, _ = train(model, x, y, batch_size=BATCH, epochs=EPOCHS)
+
+    assert_matches(reference, losses, model, x)
+    assert specs(model.get_layer("up").kernel) == [None, "model"]
+    assert specs(model.get_layer("down").kernel) == ["model", None]
+    assert set(model.distribute_strategy.layout_map) == {".*up/kernel", ".*down/kernel"}
+    # `tf.keras.distribution` is Keras' own module: the same functions.
+    assert tf.keras.distribution.set_distribution is keras.distribution.set_distribution
+
+
 TRANSFORMER_RULES = {
     ".*token_embedding/embeddings": ("model", None),
     ".*(query|key|value)/kernel": (None, "model", None),

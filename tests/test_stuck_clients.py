@@ -59,6 +59,25 @@ def test_a_client_sleeping_in_a_callback_stops_every_client_naming_it():
     assert took < 150
 
 
+def test_a_client_stuck_between_the_steps_of_a_custom_loop_is_named():
+    """No callbacks see a custom loop's steps: each call of its tf.function is one."""
+    finished = subprocess.run(
+        [sys.executable, "-m", "tfmp", "launch", "--num-processes", "2", "--devices-per-process", "4",
+         "--step-timeout", str(STEP_TIMEOUT_S), "--timeout", "240", "--", sys.executable, PROGRAM, "loop", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    out = finished.stdout
+    assert finished.returncode == 1, out[-4000:]
+    verdict = "tfmp watchdog: client 1 has not reached the call of train_step at stuck_client.py:"
+    assert f"[client 0] {verdict}" in out and f"[client 1] {verdict}" in out, out[-4000:]
+    assert "[client 1]     time.sleep(600)" in out
+    raised = [line for line in out.splitlines() if line.startswith("[client 0] client 0 the loop raised")]
+    assert raised == [
+        "[client 0] client 0 the loop raised DeadlineExceededError: tfmp: the run is stuck: this "
+        "client's op 'Mean/DTensorAllReduceOp' waited for the others."
+    ], out[-4000:]
+
+
 def test_a_killed_peer_is_named_in_the_survivors_error():
     clients = [
         subprocess.Popen(

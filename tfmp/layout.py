@@ -99,6 +99,11 @@ class LayoutMap(collections.abc.MutableMapping):
         self._rules: dict[str, Axes] = {}
         self._matched: set[str] = set()
         self._looked_up: dict[str, None] = {}  # variable paths match() was asked about, in order
+        # A Keras LayoutMap this map follows: rules the user adds to it later
+        # (before the model is built) apply, as Keras on JAX reads its map
+        # whenever a variable is created.
+        self._followed: Any = None
+        self._followed_keys: set[str] = set()
         self.reasons: dict[str, str] = {}  # why a planner left a variable whole
 
     @property
@@ -134,6 +139,20 @@ class LayoutMap(collections.abc.MutableMapping):
             )
         self._rules[key] = axes
 
+    def _follow(self) -> None:
+        """Takes over the rules of the followed Keras map as they are now."""
+        if self._followed is None:
+            return
+        wanted = {key: _as_axes(axes) for key, axes in self._followed.items()}
+        for key in self._followed_keys - wanted.keys():
+            self._rules.pop(key, None)
+            self._matched.discard(key)
+        for key, axes in wanted.items():
+            if self._rules.get(key) != axes:
+                self._rules.pop(key, None)
+                self[key] = axes
+        self._followed_keys = set(wanted)
+
     def __getitem__(self, path: str) -> Axes | None:
         """Returns the axes for a variable path, or None when no rule matches."""
         key = self._find_key(path)
@@ -152,6 +171,7 @@ class LayoutMap(collections.abc.MutableMapping):
         return key, self._rules[key]
 
     def _find_key(self, path: str) -> str | None:
+        self._follow()
         if path in self._rules:
             return path
         keys = [key for key in self._rules if self._matches(key, path)]
@@ -171,6 +191,7 @@ class LayoutMap(collections.abc.MutableMapping):
 
     def unmatched_keys(self) -> list[str]:
         """Keys that have matched no variable path so far."""
+        self._follow()
         return [key for key in self._rules if key not in self._matched]
 
     def check_matched(self) -> bool:
@@ -233,12 +254,15 @@ class LayoutMap(collections.abc.MutableMapping):
         self._matched.discard(key)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._rules)
+        self._follow()
+        return iter(list(self._rules))
 
     def __len__(self) -> int:
+        self._follow()
         return len(self._rules)
 
     def __repr__(self) -> str:
+        self._follow()
         rules = "".join(f"\n  {key!r}: {axes}," for key, axes in self._rules.items())
         return f"LayoutMap({self._mesh!r}, {{{rules}\n}})"
 
@@ -278,6 +302,10 @@ def as_layout_map(layout_map: Any, mesh: DeviceMesh) -> LayoutMap:
             f"layout_map must be a tfmp.LayoutMap, keras.distribution.LayoutMap or "
             f"dict, got {type(layout_map).__name__}."
         )
+    if _is_keras_layout_map(layout_map):
+        converted._followed = layout_map  # noqa: SLF001
+        converted._follow()  # noqa: SLF001 (its rules checked now, at the strategy)
+        return converted
     for key, axes in layout_map.items():
         converted[key] = axes
     return converted
@@ -360,6 +388,21 @@ def declared_layout(path: str, keras_variable: Any = None) -> tuple[str, Axes] |
     if recorded is not None:
         return recorded
     return _find_declared(path, reversed(_declarations.__dict__.get("stack", [])))
+
+
+def explicit_layout(keras_variable: Any) -> tuple[str, Axes] | None:
+    """`(owner, axes)` of a `keras.Variable(..., layout=...)`, or None.
+
+    Keras lets a variable carry its own layout (a
+    `keras.distribution.TensorLayout`, or a backend layout: here a
+    `dtensor.Layout`), which wins over the distribution's layout map, as on
+    JAX."""
+    layout = getattr(keras_variable, "_layout", None)
+    if layout is None:
+        return None
+    if isinstance(layout, dtensor.Layout):
+        layout = tuple(None if spec == dtensor.UNSHARDED else spec for spec in layout.sharding_specs)
+    return f"keras.Variable({keras_variable.path!r}, layout=...)", _as_axes(layout)
 
 
 def _find_declared(path: str, declarations: Any) -> tuple[str, Axes] | None:

@@ -64,6 +64,15 @@ PATCHES = (
     ),
     Patch(
         "keras.src.trainers.trainer:Trainer",
+        "compile",
+        f"{_HOOKS}:compiled_in_its_scope",
+        "A model made outside the strategy's scope and compiled inside it "
+        "passes compile, and fit stops with 'Need to be inside strategy.scope()', "
+        "which does not say the model is the problem.",
+        parameters=("optimizer", "loss"),
+    ),
+    Patch(
+        "keras.src.trainers.trainer:Trainer",
         "_symbolic_build",
         f"{_HOOKS}:built_without_call",
         "Under any strategy Keras builds a model by calling `call()`, which a "

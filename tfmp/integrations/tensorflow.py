@@ -8,6 +8,15 @@ TESTED = ("2.21", "2.21")
 
 PATCHES = (
     Patch(
+        "tensorflow.python.eager.context:Context",
+        "call_function",
+        "tfmp.strategy.watchdog:watched_function_call",
+        "A custom loop's steps are calls of the user's tf.function, which no "
+        "callback sees: a client stuck between them would hang the others "
+        "without a word.",
+        parameters=("name", "tensor_inputs", "num_outputs"),
+    ),
+    Patch(
         "tensorflow.python.framework.ops:_gradient_registry",
         "Relayout",
         "tfmp.strategy.variable:sparse_passing_relayout_gradient",

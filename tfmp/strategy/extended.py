@@ -15,7 +15,7 @@ from tensorflow.python.distribute import distribute_lib
 
 from tfmp import integrations
 from tfmp.auto_layout import auto_layout, has_weights
-from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, replicated
+from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, explicit_layout, replicated
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy import agreement
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
@@ -30,6 +30,7 @@ from tfmp.strategy.variable_layout import (
     keras_variable_being_created,
     resolve_layout,
 )
+from tfmp.strategy.watchdog import watch_custom_loop_steps
 
 # Keyword arguments of tf.Variable creation that a DVariable does not take.
 _DROPPED_VARIABLE_KWARGS = ("use_resource", "expected_shape", "caching_device")
@@ -113,8 +114,15 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         )
         stage = self.stages.stage_of_new_variable(keras_variable, colocate_with)
         mesh = self.stages.mesh_of(stage)
-        declared = declared_layout(path, keras_variable)
         rule = self.layout_map.match(path)
+        # Keras hands an optimizer slot its variable's `layout=` too, which
+        # need not fit a slot of another shape (a factored second moment):
+        # slots are laid out by their variable (or the rules) instead.
+        explicit = explicit_layout(keras_variable) if colocate_with is None else None
+        if explicit is not None:
+            declared, rule = explicit, None
+        else:
+            declared = declared_layout(path, keras_variable)
 
         def initial_value_on_mesh():
             # Computed on the host so that each device only ever holds its shard.
@@ -278,7 +286,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         plan = auto_layout(model, self.mesh, self.auto_axis)
         for variable in model.variables:
             match = plan.match(variable.path)
-            if match is None:
+            if match is None or explicit_layout(variable) is not None:
                 continue
             mesh = self.stages.mesh_of(variable.value.stage)
             layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
@@ -375,6 +383,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         if not self._keras_methods:
             with tf.init_scope():  # a custom loop's step: before it runs
                 self.check_clients_agree(list(self.models))
+            watch_custom_loop_steps()
         if tf.executing_eagerly():
             args, kwargs = self.placer.place((args, kwargs))
         self.note_step_rows((args, kwargs))

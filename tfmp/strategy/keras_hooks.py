@@ -44,7 +44,7 @@ from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
 from tfmp.strategy.variable_layout import creating
-from tfmp.strategy.watchdog import watched_call, with_step_watch
+from tfmp.strategy.watchdog import watch_custom_loop_steps, watched_call, with_step_watch
 
 _state = threading.local()
 _VALUE_DTYPES = dtypes.TF_VALUE_DTYPES
@@ -120,6 +120,7 @@ def prepared(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        made_in_the_current_scope(self, method.__name__)
         build_pass = watched = contextlib.nullcontext()
         if method.__name__ in ("fit", "evaluate", "predict") and placer_for(self) is not None:
             bound = signature.bind(self, *args, **kwargs)
@@ -244,10 +245,12 @@ def on_batch(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        made_in_the_current_scope(self, method.__name__)
         with _running(self, method.__name__):
             placer = placer_for(self)
             if placer is None:
                 return method(self, *args, **kwargs)
+            watch_custom_loop_steps()
             bound = signature.bind(self, *args, **kwargs)
             data = bound.arguments
             if data.get("class_weight") is not None and data.get("sample_weight") is None:
@@ -277,6 +280,42 @@ def laid_out_before_slots(build: Callable) -> Callable:
         if extended is not None and not self.built:
             extended.apply_auto_layouts_before_slots(list(variables))
         return build(self, variables)
+
+    return wrapper
+
+
+def made_in_the_current_scope(model: Any, call: str) -> None:
+    """Refuses `call` (compile, fit, ...) in a tfmp strategy's scope for a
+    model made outside it.
+
+    Keras ties a model to the strategy current when the model is made, and
+    its optimizer to the one current at `compile`. A model made outside
+    `strategy.scope()` and compiled or fit inside it has host variables;
+    `fit` then stops deep in the step ("Need to be inside `with
+    strategy.scope()`", "Mixing different tf.distribute.Strategy objects"),
+    which points at the call, not at where the model was made.
+    """
+    current = tf.distribute.get_strategy()
+    made_under = getattr(model, "_distribute_strategy", None)
+    if extended_of(current) is None or made_under is current:
+        return
+    where = "outside strategy.scope()" if made_under is None else f"under another strategy, {made_under!r}"
+    raise ValueError(
+        f"tfmp: the model {model.name!r} was built {where}, and `{call}` runs in the "
+        f"scope of {current!r}: its variables are not on that mesh. Build the model "
+        f"inside the scope: `with strategy.scope(): model = ...; model.compile(...)` "
+        f"(a saved model: `load_model` in the scope)."
+    )
+
+
+def compiled_in_its_scope(compile_method: Callable) -> Callable:
+    """`Model.compile`: a model made outside the current tfmp strategy's
+    scope is refused here, by its name (`made_in_the_current_scope`)."""
+
+    @functools.wraps(compile_method)
+    def wrapper(self, *args, **kwargs):
+        made_in_the_current_scope(self, "compile")
+        return compile_method(self, *args, **kwargs)
 
     return wrapper
 

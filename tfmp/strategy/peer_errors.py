@@ -17,7 +17,10 @@ import re
 import tensorflow as tf
 
 from tfmp import distributed
-from tfmp.strategy.watchdog import VERDICT_MARKER
+
+# Written in tfmp's watchdog's verdict (`tfmp.strategy.watchdog`) and so in
+# TensorFlow's error after the watchdog aborted the collectives.
+VERDICT_MARKER = "tfmp watchdog:"
 
 _TASK = re.compile(r"/job:[\w-]+(?:/replica:\d+)?/task:(\d+)")
 _NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
@@ -66,6 +69,10 @@ def explain_peer_failure(error: tf.errors.OpError) -> tf.errors.OpError:
     waited = f"op {node.group(1)!r}" if node else "step"
     if VERDICT_MARKER in text:
         verdict = text[text.index(VERDICT_MARKER):]
+        fix = verdict.find("\nFix: ")
+        if fix != -1:  # TensorFlow repeats the verdict once per device's collective
+            end = verdict.find("\n", fix + 1)
+            verdict = verdict if end == -1 else verdict[:end]
         verdict = _NODE.sub("", verdict.replace(_RESTART, "")).rstrip()  # the op is named above
         message = f"tfmp: the run is stuck: this client's {waited} waited for the others.\n{verdict}"
     else:

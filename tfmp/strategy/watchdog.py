@@ -16,6 +16,12 @@ names print their own Python stack: where they are), aborts its collectives
 `tfmp.strategy.peer_errors`) and, if the program is still alive after a
 grace period, ends the process with status 1, as PyTorch's collective
 watchdog does.
+
+Custom training loops (`strategy.run` in the user's own `tf.function`) and
+`*_on_batch` calls have no step callbacks: there each call of a TensorFlow
+function on the main thread is a step (`watched_function_call`), and the
+clients not inside one when another's has run past its bound are the ones
+the others wait for.
 """
 
 from __future__ import annotations
@@ -23,23 +29,22 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfmp import distributed
+from tfmp.strategy.peer_errors import VERDICT_MARKER, explain_peer_failure
 
-# Written in the verdict and in TensorFlow's error after an abort: how
-# `tfmp.strategy.peer_errors` tells a watchdog's abort from others.
-VERDICT_MARKER = "tfmp watchdog:"
 _PROGRESS_KEY = "tfmp/watchdog/progress/{}"
 _VERDICT_KEY = "tfmp/watchdog/verdict"
 _SEEN_KEY = "tfmp/watchdog/seen/{}"
@@ -49,6 +54,10 @@ _KEY_WAIT_MS = 50
 _GRACE_S = 10.0
 _DEFAULT_FLOOR_S = 300.0
 _SLOWEST_STEP_FACTOR = 20.0
+_LIBRARIES = tuple(
+    os.path.dirname(module.__file__) + os.sep
+    for module in (tf, keras, sys.modules[__name__.split(".")[0]])
+)
 
 
 @dataclasses.dataclass
@@ -62,6 +71,9 @@ class _Progress:
     entered_at: float = 0.0
     first_of_call: bool = False
     slowest_s: float = 0.0
+    # Set when steps are function calls (a custom loop), not Keras' steps:
+    # clients may call other functions besides their steps (one logs more).
+    by_function_calls: bool = False
 
 
 class _Watchdog:
@@ -76,9 +88,36 @@ class _Watchdog:
         self._published: str | None = None
         self._fired = False
         self._main = threading.main_thread().ident
+        self._watches_function_calls = False
+        self._functions_run: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="tfmp-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
+
+    def watch_function_calls(self) -> None:
+        """From now on, outside Keras' `fit`, `evaluate` and `predict`, each
+        call of a TensorFlow function on the main thread is a step."""
+        if not self._watches_function_calls:
+            self._watches_function_calls = True
+            self._wake.set()
+
+    def function_call_began(self, name: Any) -> bool:
+        """Notes a function call about to run on this thread as a step, if
+        this is the main thread outside Keras' own calls; whether it did."""
+        if not self._watches_function_calls or self._active_calls or threading.get_ident() != self._main:
+            return False
+        function = (name.decode() if isinstance(name, bytes) else str(name)).removeprefix("__inference_")
+        function = function.rsplit("_", 1)[0]
+        progress = self.progress
+        progress.by_function_calls = True
+        # DTensor expands a function and places it on the devices at its first call.
+        progress.first_of_call = function not in self._functions_run
+        self._functions_run.add(function)
+        self.step_entered(f"the call of {function} at {_program_line()}")
+        return True
+
+    def _watching(self) -> bool:
+        return self._active_calls > 0 or self._watches_function_calls
 
     def call_began(self) -> None:
         self._active_calls += 1
@@ -137,7 +176,7 @@ class _Watchdog:
     def _run(self) -> None:
         ctx = context.context()
         while not self._stopped:
-            if self._active_calls == 0:
+            if not self._watching():
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -164,6 +203,7 @@ class _Watchdog:
             "finished": progress.finished,
             "label": progress.label,
             "for_s": round(time.monotonic() - progress.entered_at, 1) if open_step else None,
+            "by_function_calls": progress.by_function_calls and self._active_calls == 0,
         }
 
     def _publish(self, ctx: Any) -> None:
@@ -242,6 +282,16 @@ def step_bound_s(first_of_call: bool, slowest_s: float, cluster: distributed.Clu
     return max(_DEFAULT_FLOOR_S, _SLOWEST_STEP_FACTOR * slowest_s)
 
 
+def _program_line() -> str:
+    """`file:line` of the innermost frame of the program's own code."""
+    frame = sys._getframe(1)  # noqa: SLF001
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown place"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
 def _position(state: dict | None) -> float:
     """How far a client got: steps entered, half a step more once finished."""
     if state is None:
@@ -250,7 +300,13 @@ def _position(state: dict | None) -> float:
 
 
 def clients_behind(states: dict[int, dict | None]) -> list[int]:
-    """The clients furthest behind (none when all are at the same point)."""
+    """The clients furthest behind (none when all are at the same point).
+
+    Where steps are function calls (a custom loop), clients may have made
+    other calls besides their steps: those not inside a call are behind."""
+    if any(state and state.get("by_function_calls") for state in states.values()):
+        behind = [client for client, state in sorted(states.items()) if state is None or state["for_s"] is None]
+        return [] if len(behind) == len(states) else behind
     position = {client: _position(state) for client, state in states.items()}
     behind = sorted(client for client, p in position.items() if p == min(position.values()))
     return [] if len(behind) == len(states) else behind
@@ -269,7 +325,8 @@ def stuck_verdict(behind: list[int], bound_s: float, states: dict[int, dict | No
     >>> print(stuck_verdict(clients_behind(states), 8.0, states).splitlines()[0])
     tfmp watchdog: client 1 has not reached fit step 4 of epoch 0, which client 0 entered 8.1 s ago (bound 8 s): the others wait for it in the step's collectives.
     """
-    ahead = max(states, key=lambda client: _position(states[client]))
+    in_step = [client for client, state in states.items() if state and state["for_s"] is not None]
+    ahead = max(in_step or states, key=lambda client: _position(states[client]))
     waited = states[ahead]
     where = []
     for client in sorted(states):
@@ -279,7 +336,8 @@ def stuck_verdict(behind: list[int], bound_s: float, states: dict[int, dict | No
         elif state["for_s"] is None:
             where.append(f"  client {client}: finished {state['label']}, outside any step since")
         else:
-            where.append(f"  client {client}: in {state['label']} (or its callbacks) for {state['for_s']:g} s")
+            callbacks = "" if state.get("by_function_calls") else " (or its callbacks)"
+            where.append(f"  client {client}: in {state['label']}{callbacks} for {state['for_s']:g} s")
     them = "it" if len(behind) == 1 else "them"
     head = (
         f"{VERDICT_MARKER} {_clients(behind)} {'has' if len(behind) == 1 else 'have'} not reached "
@@ -345,6 +403,38 @@ def _this_clients_watchdog() -> _Watchdog | None:
     if _watchdog is None:
         _watchdog = _Watchdog(cluster)
     return _watchdog
+
+
+def watch_custom_loop_steps() -> None:
+    """A custom loop's `strategy.run` or a `*_on_batch` call: in a run of
+    several clients, the watchdog bounds each function call of the main
+    thread from now on (`watched_function_call`)."""
+    watchdog = _this_clients_watchdog()
+    if watchdog is not None:
+        watchdog.watch_function_calls()
+
+
+def watched_function_call(call_function: Callable) -> Callable:
+    """TensorFlow's `Context.call_function`, which runs every call of a
+    `tf.function`: a step of a custom loop (or of `*_on_batch`) for the
+    watchdog, which Keras' step callbacks do not see."""
+
+    @functools.wraps(call_function)
+    def wrapper(self, name, tensor_inputs, num_outputs):
+        watchdog = _watchdog
+        if watchdog is None or not watchdog.function_call_began(name):
+            return call_function(self, name, tensor_inputs, num_outputs)
+        try:
+            return call_function(self, name, tensor_inputs, num_outputs)
+        except tf.errors.OpError as error:
+            if VERDICT_MARKER not in str(error):
+                raise
+            # TensorFlow repeats the verdict once per device's collective.
+            raise explain_peer_failure(error) from error
+        finally:
+            watchdog.step_finished()
+
+    return wrapper
 
 
 @contextlib.contextmanager
