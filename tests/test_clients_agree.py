@@ -87,6 +87,15 @@ def test_a_custom_loop_is_checked_at_its_first_step(run, client):
     ), printed
 
 
+@pytest.mark.parametrize("client", [0, 1])
+def test_a_tf_keras_model_is_checked_as_its_fit_starts(run, client):
+    printed = outcome(run, client, "tf_keras")
+    assert printed.startswith(
+        "ClientsDisagreeError: tfmp: the clients of this run do not hold the same model: "
+        "client 1 differs from client 0 in the values of 'head/kernel'"
+    ), printed
+
+
 def test_another_seed_stops_the_run_on_every_client(run):
     finished, seconds = run
     assert finished.returncode not in (0, 124), finished.stdout[-3000:]

@@ -5,7 +5,8 @@ monitors find nothing; one client's copy of a bias changed behind the
 strategy's back: `GradientSyncMonitor` names it on both clients. Then client 1
 differs: other layout rules (refused before the first step), other data
 order with `InputOrderCheck` (refused at the epoch's end), a custom loop's
-model seeded otherwise (refused at the first `strategy.run`); these errors are
+model seeded otherwise (refused at the first `strategy.run`), a tf_keras
+model seeded otherwise (refused as its fit starts); these errors are
 caught so that one run tries them all. Last, client 1 seeded otherwise: the
 error is not caught, and the run fails.
 """
@@ -98,11 +99,22 @@ def custom_loop_other_seed():
     return step(next(iter(batches))).shape
 
 
+def tf_keras_other_seed():
+    import tf_keras
+
+    tf_keras.utils.set_random_seed(20 + client)
+    with strategy.scope():
+        net = tf_keras.Sequential([tf_keras.Input((16,)), tf_keras.layers.Dense(8, name="head")])
+        net.compile(optimizer="sgd", loss="mse")
+    return net.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+
+
 case("same program", same_program)
 case("one copy changed", one_copy_changed)
 case("other rules", other_rules)
 case("other order", other_order)
 case("custom loop", custom_loop_other_seed)
+case("tf_keras", tf_keras_other_seed)
 keras.utils.set_random_seed(1 + client)
 with strategy.scope():
     seeded = compile_mlp(build_mlp())

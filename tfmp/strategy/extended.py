@@ -177,10 +177,15 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             return
         found: dict[int, MeshVariable] = {}
         for model in models:
-            variables = [*model.variables, *model.metrics_variables]
-            variables += [v for optimizer in _optimizers_of(model) for v in optimizer.variables]
+            # A tf_keras model's variables are the strategy's own; it has no
+            # `metrics_variables`, and its optimizer is no Keras 3 one (a
+            # legacy one's `variables` is a method).
+            variables = [*model.variables, *getattr(model, "metrics_variables", ())]
+            for optimizer in _optimizers_of(model) or [getattr(model, "optimizer", None)]:
+                slots = getattr(optimizer, "variables", ())
+                variables += slots() if callable(slots) else slots
             for variable in variables:
-                value = getattr(variable, "value", variable)
+                value = variable if isinstance(variable, MeshVariable) else getattr(variable, "value", None)
                 if isinstance(value, MeshVariable) and not value.agreed:
                     found.setdefault(id(value), value)
         agreement.check_model(list(found.values()), self.plan())

@@ -35,10 +35,10 @@ def fed_batches(make_function: Callable) -> Callable:
     @functools.wraps(make_function)
     def wrapper(self, force=False):
         function = make_function(self, force)
-        if extended_of(self.distribute_strategy) is None or getattr(
-            function, "_tfmp_fed", False
-        ):
+        extended = extended_of(self.distribute_strategy)
+        if extended is None or getattr(function, "_tfmp_fed", False):
             return function
+        extended.check_clients_agree([self])  # before its first step, as for Keras 3 models
         steps = self._steps_per_execution  # noqa: SLF001
         if self.autotune_steps_per_execution or (
             steps is not None and int(steps.numpy()) != 1
