@@ -304,3 +304,31 @@ def test_backup_every_n_batches_resumes_at_the_epoch_keras_records(tmp_path):
     for want, got in zip(stop.at_last_backup, start.weights):
         np.testing.assert_array_equal(got, want)
     assert [d for d in os.listdir(backup) if d.startswith("ckpt-")] == [f"ckpt-{backups.committed_versions(backup)[0]}"]
+
+
+def test_plain_keras_resumes_from_a_backup_tfmp_wrote(tmp_path):
+    """The same program without tfmp (Keras' own restore) reads the newest
+    committed backup through Keras' files in backup_dir."""
+    x, y = mlp_data(37)
+    backup = str(tmp_path / "backup")
+
+    class StopAtEpochTwo(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                self.after_two = self.model.get_weights()
+                raise RuntimeError("interrupted")
+
+    stop = StopAtEpochTwo()
+    on_mesh = build_on(strategy_on((2, 4)), "mlp", WEIGHTS)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        on_mesh.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                    callbacks=[keras.callbacks.BackupAndRestore(backup), stop])
+    assert sorted(os.listdir(backup))[-2:] == ["latest.weights.h5", "training_metadata.json"]
+
+    plain = build_on(None, "mlp", WEIGHTS)
+    restore = keras.callbacks.BackupAndRestore(backup)
+    restore.set_model(plain)
+    keras.callbacks.BackupAndRestore._load_model.__wrapped__(restore)  # Keras' own, without tfmp
+    assert plain._initial_epoch == 2
+    for want, got in zip(stop.after_two, plain.get_weights()):
+        np.testing.assert_array_equal(got, want)

@@ -12,7 +12,9 @@ the newest one (two with `double_checkpoint=True`: a newest that fails to
 load, by its checksum or as HDF5, falls back to the one before, with a
 warning). Keras' own resume epoch, `save_freq` ("epoch" or every N batches)
 and `delete_checkpoint` behave as in Keras; a backup directory Keras wrote
-itself (no `ckpt-<n>`) is still restored.
+itself (no `ckpt-<n>`) is still restored, and Keras' own files in
+`backup_dir` are kept the newest committed backup's, so the program without
+tfmp resumes from it too.
 
 In a multi-client run every client runs the save (its gathers are
 collectives) and only client 0 writes into `backup_dir`.
@@ -77,6 +79,7 @@ def versioned_save(save_model: Callable) -> Callable:
             atomic_files.fsync_file(os.path.join(directory, name))
         atomic_files.write_text(os.path.join(directory, COMMIT_MARKER), json.dumps({"files": files}))
         atomic_files.fsync_directory(self.backup_dir)
+        _mirror_for_keras(self, directory)
         _remove_all_but(self.backup_dir, keep=2 if self.double_checkpoint else 1)
 
     return wrapper
@@ -265,6 +268,24 @@ def _assign_metrics(model: Any, values: dict[str, Any]) -> None:
         )
     for path, value in values.items():
         variables[path].assign(np.asarray(value, dtype=variables[path].dtype))
+
+
+def _mirror_for_keras(callback: Any, directory: str) -> None:
+    """Keras' own two files in `backup_dir` become the committed backup's
+    (hard links, each put in place by a rename): the same program without
+    tfmp resumes from it as from a backup Keras wrote. tfmp itself reads
+    the `ckpt-<n>` directories."""
+    for path in (callback._weights_path, callback._training_metadata_path):  # noqa: SLF001
+        committed = os.path.join(directory, os.path.basename(path))
+        staged = f"{path}.tfmp-staged"
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(staged)
+        try:
+            os.link(committed, staged)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(committed, staged)
+        os.replace(staged, path)
+    atomic_files.fsync_directory(callback.backup_dir)
 
 
 def version_directory(backup_dir: str, number: int) -> str:
