@@ -40,6 +40,7 @@ from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy import errors, peer_errors
 from tfmp.strategy.epoch_iterator import build_pass_expected
 from tfmp.strategy.extended import extended_of
+from tfmp.strategy.first_step_note import with_first_step_note
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
@@ -97,6 +98,15 @@ def placer_for(layer: Any) -> BatchPlacer | None:
     return None
 
 
+def _mesh_of(model: Any) -> dtensor.Mesh:
+    """The whole mesh `model` runs on: its strategy's (every pipeline stage's
+    devices), else that of its batches."""
+    extended = extended_of(getattr(model, "_distribute_strategy", None)) or extended_of(
+        tf.distribute.get_strategy()
+    )
+    return extended.mesh.dtensor_mesh if extended is not None else placer_for(model).mesh
+
+
 @contextlib.contextmanager
 def _running(model: Any, method: str) -> Iterator[None]:
     """Tells the model's tfmp strategy, if any, that `model` runs Keras'
@@ -127,6 +137,10 @@ def prepared(method: Callable) -> Callable:
             if method.__name__ != "predict":
                 callbacks = with_step_errors(callbacks)
                 build_pass = build_pass_expected()
+            if method.__name__ == "fit":
+                callbacks = with_first_step_note(
+                    callbacks, self, _mesh_of(self), bound.arguments.get("verbose", "auto")
+                )
             bound.arguments["callbacks"] = with_step_watch(callbacks)
             watched = watched_call()
             args, kwargs = bound.args[1:], bound.kwargs
