@@ -69,8 +69,9 @@ def undivided_message(
     over = " and ".join(f"mesh axis {axis!r} of size {parts}" for axis, parts in axes)
     return (
         f"tfmp: layouts split {_count(len(undivided), 'dimension')} of "
-        f"{_count(len(paths), 'variable')} over {over}, which does not divide their "
-        f"sizes, so they are kept whole: {listed}. These variables hold {held:,} bytes "
+        f"{_count(len(paths), 'variable')} over {over}, which does not divide "
+        f"{'its size, so it is' if len(undivided) == 1 else 'their sizes, so they are'} kept whole: {listed}. "
+        f"{'This variable holds' if len(paths) == 1 else 'These variables hold'} {held:,} bytes "
         f"({_percent(held, total)} of the parameters); in all {replicated:,} of "
         f"{total:,} parameter bytes ({_percent(replicated, total)}) are replicated on "
         "every device (optimizer slots follow their variables). Change the rules, or "
@@ -80,12 +81,15 @@ def undivided_message(
 
 
 def _axis_that_divides(undivided: list[UndividedDimension], axis: str, parts: int) -> str:
-    common = math.gcd(*(dim.size for dim in undivided if dim.axis == axis))
-    sizes = [str(size) for size in range(2, common + 1) if common % size == 0][:4]
-    if not sizes:
+    """Advice: the axis sizes (a few, smallest first) that divide every size
+    kept whole along `axis`, else multiples of its size."""
+    sizes = [dim.size for dim in undivided if dim.axis == axis]
+    common = math.gcd(*sizes)
+    dividing = [str(size) for size in range(2, common + 1) if common % size == 0][:4]
+    if not dividing:
         return f"make those sizes multiples of {parts}"
-    either = sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} or {sizes[-1]}"
-    return f"use a mesh axis {axis!r} of size {either}, which divides them all"
+    either = dividing[0] if len(dividing) == 1 else f"{', '.join(dividing[:-1])} or {dividing[-1]}"
+    return f"use a mesh axis {axis!r} of size {either}, which divides {'it' if len(sizes) == 1 else 'them all'}"
 
 
 def _count(number: int, noun: str) -> str:
