@@ -13,7 +13,7 @@ import pytest
 
 import tfmp
 from helpers import build_mlp, build_on, initial_weights, mesh, mlp_layout_map
-from tfmp import cli
+from tfmp import _env, cli
 from tfmp.inspect.summary import bytes_per_device
 from tfmp.layout import UndividedDimension, as_layout_map
 from tfmp.strategy.undivided import undivided_message
@@ -159,6 +159,21 @@ def test_help_imports_no_tensorflow(command):
     imported = [line.split("|")[-1].strip() for line in finished.stderr.splitlines() if line.startswith("import time:")]
     assert "tfmp.cli" in imported
     assert not [name for name in imported if name.split(".")[0] in ("tensorflow", "keras", "numpy")]
+
+
+@pytest.mark.parametrize(
+    "argv, orig_argv, expected",
+    [
+        (["/usr/local/bin/tfmp", "demo"], ["python3", "/usr/local/bin/tfmp", "demo"], True),  # console script
+        (["-m", "demo"], ["python", "-W", "ignore", "-m", "tfmp", "demo"], True),  # python -m tfmp, importing tfmp
+        (["/home/me/train.py"], ["python", "/home/me/train.py"], False),
+        (["-m"], ["python", "-m", "mypackage.train"], False),  # mypackage imports tfmp
+    ],
+)
+def test_only_the_tfmp_command_imports_the_library_lazily(monkeypatch, argv, orig_argv, expected):
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    assert _env.started_as_command() is expected
 
 
 def test_every_option_has_help():

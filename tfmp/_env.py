@@ -71,7 +71,11 @@ def _native_stderr_without_early_logs() -> Iterator[None]:
     code writes there directly), and writes it back without the early absl
     log lines when the block ends."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (a daemon): nothing to hold back
+        yield
+        return
     with tempfile.TemporaryFile(mode="w+b") as held:
         os.dup2(held.fileno(), 2)
         try:
