@@ -288,11 +288,15 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             if match is None:
                 continue
             mesh = self.stages.mesh_of(variable.value.stage)
-            layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
+            undivided = []
+            layout = axes_to_layout(
+                match[1], mesh, variable.shape, variable.path, "auto_layout", undivided=undivided
+            )
             if self.fully_shard_axis is not None:
                 layout = fully_sharded(
                     layout, variable.shape, self.fully_shard_axis, variable.dtype
                 )
+            self.undivided.note_variable(variable.path, variable.value, layout, undivided)
             self.move_variable(
                 variable, layout, gathered=gathered_axes(self.placer.batch_axis, rule=match)
             )

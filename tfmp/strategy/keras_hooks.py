@@ -11,7 +11,8 @@ to keep its first step's graphs for `tfmp.comm_report`), and whether the
 batches they feed train it (a pipeline checks that a training batch splits
 into its micro-batches); `fit` and `evaluate` also that the pass Keras makes
 over their data to build the model is to read nothing
-(`tfmp.strategy.epoch_iterator`). Anything else passes through untouched. A pipeline
+(`tfmp.strategy.epoch_iterator`); `fit` showing progress says when it lays
+out its first step (`tfmp.strategy.first_step_note`). Anything else passes through untouched. A pipeline
 model's `train_step` and `test_step` are the pipeline's
 (`tfmp.pipeline.keras_hooks`). A model with no `call()` of its own (a GAN
 with its own `train_step`) skips Keras' symbolic build, as it does without a
