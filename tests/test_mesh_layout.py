@@ -212,10 +212,14 @@ def test_undivided_dimensions_are_one_warning_with_the_replicated_share(capsys):
         "'model' of size 5, which divides them all."
     ]
     assert not [w for w in caught if "replicated instead of split" in str(w.message)]
-    # fit(verbose=1) says when its step is laid out, once.
+    # fit(verbose=1) says when its step is laid out, once; verbose=0 never.
     out = capsys.readouterr().out
     assert out.count("Laying out the training step on 3 CPU devices (simulated on one CPU)...") == 1
     assert len(re.findall(r"^Laid out in \d+\.\d s\.$", out, re.M)) == 1
+    with strategy.scope():
+        model.compile(optimizer="adam", loss="mse")  # a new step to lay out
+    model.fit(x, y, batch_size=3, epochs=1, verbose=0)
+    assert capsys.readouterr().out == ""
 
 
 def test_undivided_warning_lists_a_few_and_counts_the_rest():
