@@ -193,7 +193,8 @@ def test_undivided_dimensions_are_one_warning_with_the_replicated_share(capsys):
     strategy = tfmp.ModelParallelStrategy(device_mesh, layout_map)
     with strategy.scope():
         model = keras.Sequential(
-            [keras.Input((4,)), keras.layers.Dense(5, name="up"), keras.layers.Dense(6, name="mid")]
+            [keras.Input((4,)), keras.layers.Dense(5, name="up"), keras.layers.Dense(6, name="mid")],
+            name="odd",
         )
         model.compile(optimizer="adam", loss="mse")
     x, y = np.ones((6, 4), "float32"), np.zeros((6, 6), "float32")
@@ -204,8 +205,8 @@ def test_undivided_dimensions_are_one_warning_with_the_replicated_share(capsys):
     messages = [str(warning.message) for warning in caught if "kept whole" in str(warning.message)]
     assert messages == [
         "tfmp: layouts split 2 dimensions of 2 variables over mesh axis 'model' of size 3, "
-        "which does not divide their sizes, so they are kept whole: sequential/up/kernel "
-        "dimension 1 of size 5 (LayoutMap rule 'up/kernel'); sequential/up/bias dimension 0 "
+        "which does not divide their sizes, so they are kept whole: odd/up/kernel "
+        "dimension 1 of size 5 (LayoutMap rule 'up/kernel'); odd/up/bias dimension 0 "
         "of size 5 (LayoutMap rule 'up/bias'). These variables hold 100 bytes (41% of the "
         "parameters); in all 124 of 244 parameter bytes (51%) are replicated on every device "
         "(optimizer slots follow their variables). Change the rules, or use a mesh axis "
