@@ -8,13 +8,16 @@ import time
 from typing import Any
 
 import keras
+from keras.src.utils.io_utils import print_msg
 from tensorflow.experimental import dtensor
 
 from tfmp.devices import is_simulated
 
 
 class FirstStepNote(keras.callbacks.Callback):
-    """Prints a line as the first training step starts and one as it ends."""
+    """Prints a line as the first training step starts and one as it ends,
+    where Keras prints its progress bar (stdout, or absl logging after
+    `keras.config.disable_interactive_logging()`)."""
 
     def __init__(self, mesh: dtensor.Mesh):
         super().__init__()
@@ -26,13 +29,13 @@ class FirstStepNote(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if self._started_at is None:
-            print(self._begin_text, flush=True)
+            print_msg(self._begin_text)
             self._started_at = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self._started_at is not None and not self._done:
             self._done = True
-            print(f"Laid out in {time.perf_counter() - self._started_at:.1f} s.", flush=True)
+            print_msg(f"Laid out in {time.perf_counter() - self._started_at:.1f} s.")
 
 
 def with_first_step_note(callbacks: Any, model: Any, mesh: dtensor.Mesh, verbose: Any) -> Any:
