@@ -24,9 +24,9 @@ if _env.started_as_command():
 
     def __getattr__(name: str) -> Any:
         _api = importlib.import_module("tfmp._api")
-        if name not in _api.__all__:
+        if name not in (*_api.__all__, "__all__"):
             raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
-        globals().update((public, getattr(_api, public)) for public in _api.__all__)
+        globals().update((public, getattr(_api, public)) for public in (*_api.__all__, "__all__"))
         return globals()[name]
 
 else:
