@@ -34,14 +34,21 @@ of the CPU devices.
 
 from __future__ import annotations
 
+import os
+
+# TensorFlow's C++ logs: fatal errors only (TF_CPP_MIN_LOG_LEVEL=0 shows them
+# all). Set before TensorFlow loads; tfmp, imported first, also drops the lines
+# TensorFlow writes before it reads this setting.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
 import argparse
 
+import tfmp  # before Keras: it imports TensorFlow
 import keras
 import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-import tfmp
 from tfmp.callbacks.memory import short_name
 from tfmp.devices import devices_for
 from tfmp.inspect.summary import bytes_per_device

@@ -31,12 +31,19 @@ more GPUs or TPU cores the mesh takes those instead of the CPU devices.
 
 from __future__ import annotations
 
+import os
+
+# TensorFlow's C++ logs: fatal errors only (TF_CPP_MIN_LOG_LEVEL=0 shows them
+# all). Set before TensorFlow loads; tfmp, imported first, also drops the lines
+# TensorFlow writes before it reads this setting.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
 import argparse
 import tempfile
 
+import tfmp  # before Keras: it imports TensorFlow
 import keras
 
-import tfmp
 from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
 from tfmp.devices import devices_for
 

@@ -31,12 +31,19 @@ GPUs or TPU cores the mesh takes those instead of the CPU devices.
 
 from __future__ import annotations
 
+import os
+
+# TensorFlow's C++ logs: fatal errors only (TF_CPP_MIN_LOG_LEVEL=0 shows them
+# all). Set before TensorFlow loads; tfmp, imported first, also drops the lines
+# TensorFlow writes before it reads this setting.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
 import argparse
 
+import tfmp  # before Keras: it imports TensorFlow
 import keras
 import numpy as np
 
-import tfmp
 from tfmp.devices import devices_for
 from tfmp.pipeline.balance import stage_costs
 

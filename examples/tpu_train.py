@@ -22,6 +22,13 @@ from the last epoch).
 
 from __future__ import annotations
 
+import os
+
+# TensorFlow's C++ logs: fatal errors only (TF_CPP_MIN_LOG_LEVEL=0 shows them
+# all). Set before TensorFlow loads; tfmp, imported first, also drops the lines
+# TensorFlow writes before it reads this setting.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
 import argparse
 import tempfile
 

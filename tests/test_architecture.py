@@ -31,7 +31,7 @@ LAYERS = (
     ("tfmp.pipeline.*",),
     ("tfmp.inspect.*", "tfmp.callbacks.*"),
     # Facades: re-exports and entry points, above everything they gather.
-    ("tfmp", "tfmp.layers", "tfmp.callbacks", "tfmp.cli", "tfmp.demo", "tfmp.launch", "tfmp.__main__"),
+    ("tfmp", "tfmp._api", "tfmp.layers", "tfmp.callbacks", "tfmp.cli", "tfmp.demo", "tfmp.launch", "tfmp.__main__"),
 )
 
 

@@ -100,7 +100,7 @@ def test_indivisible_dimension_is_replicated_with_a_warning():
         model.compile(optimizer="adam", loss="mse")
         return model
 
-    with pytest.warns(UserWarning, match=r"'odd/extra/kernel' dimension 1 has size 10.*replicated") as caught:
+    with pytest.warns(UserWarning, match=r"kept whole: odd/extra/kernel dimension 1 of size 10 .*replicated") as caught:
         model = assert_parity(
             build, None, *mlp_data(32), strategy=strategy, compile_fn=compile_fn,
             steps=2, loss_atol=0, batch_size=16,

@@ -1,7 +1,12 @@
-"""Process-wide settings tfmp needs before TensorFlow runs any DTensor function."""
+"""Process-wide settings tfmp needs before TensorFlow loads or runs any DTensor function."""
 
+import contextlib
 import os
+import re
+import sys
+import tempfile
 import warnings
+from typing import Iterator
 
 # DTensor's pass that combines all-reduces reorders variable reads and writes within
 # one step: with it, Adam training silently drifts from single-device Keras.
@@ -12,6 +17,22 @@ COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
 # per relayout (`tfmp.layout.replicated`). DTensor reads it each time it
 # compiles a function, and takes any value, "0" too, as set.
 REAL_GATHERS = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+# 128 + SIGTERM, what a shell reports for a process SIGTERM stopped: the
+# status schedulers expect of a preempted job, with which a preempted client
+# exits (`tfmp.strategy.preemption`). `tfmp launch` tells it from a failure
+# (and a process killed by an unhandled SIGTERM shows -15 to its parent, not
+# 143); it is here so that the launcher needs no TensorFlow.
+PREEMPTED_EXIT_CODE = 143
+# TensorFlow's C++ log threshold: 0 logs everything, 3 only fatal errors.
+TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+QUIET_LOG_LEVEL = "3"
+# The lines TensorFlow's native libraries write with absl before absl reads
+# TF_CPP_MIN_LOG_LEVEL ("I0000 00:00:... cudart_stub.cc:31] Could not find cuda
+# drivers..."), and absl's note that they bypass any threshold.
+_EARLY_NATIVE_LOG = re.compile(
+    r"^([IWE]\d{4} \d\d:\d\d:[\d.]+ +\d+ [\w./-]+:\d+\] |"
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called)"
+)
 
 
 def configure_dtensor_environment() -> None:
@@ -27,3 +48,60 @@ def configure_dtensor_environment() -> None:
         )
     os.environ[COMBINE_ALL_REDUCES] = "0"
     os.environ.setdefault(REAL_GATHERS, "1")
+
+
+def import_tensorflow() -> None:
+    """Imports TensorFlow; under `TF_CPP_MIN_LOG_LEVEL=3`, without the log
+    lines its native libraries write before they read that setting.
+
+    Those lines (such as `cudart_stub.cc:31] Could not find cuda drivers`)
+    pass any threshold, so a program that asked TensorFlow for no logs gets
+    them anyway; anything else written meanwhile is written as it was."""
+    if "tensorflow" in sys.modules or os.environ.get(TF_LOG_LEVEL) != QUIET_LOG_LEVEL:
+        import tensorflow  # noqa: F401
+
+        return
+    with _native_stderr_without_early_logs():
+        import tensorflow  # noqa: F401
+
+
+@contextlib.contextmanager
+def _native_stderr_without_early_logs() -> Iterator[None]:
+    """Holds back what is written to file descriptor 2 in the block (native
+    code writes there directly), and writes it back without the early absl
+    log lines when the block ends."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (a daemon): nothing to hold back
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [
+                line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                if not _EARLY_NATIVE_LOG.match(line)
+            ]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+
+def started_as_command() -> bool:
+    """Whether this process is the `tfmp` command line (its console script, or
+    `python -m tfmp`), which imports the library only when a command needs
+    it."""
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if script in ("tfmp", "tfmp.exe", "tfmp-script.py"):
+        return True
+    # While `python -m X` imports X's packages, argv[0] is "-m".
+    command = getattr(sys, "orig_argv", [])
+    if sys.argv[:1] != ["-m"] or "-m" not in command:
+        return False
+    return command[command.index("-m") + 1 :][:1] == ["tfmp"]

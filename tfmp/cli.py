@@ -1,4 +1,9 @@
-"""The `tfmp` command line."""
+"""The `tfmp` command line.
+
+Building the parser imports neither TensorFlow nor Keras: `tfmp --help`
+answers at once, and each command imports what it needs only after
+`--verbose` has decided TensorFlow's logging.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,33 @@ import argparse
 import os
 from typing import Sequence
 
+from tfmp import _env
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tfmp", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+_VERBOSE_HELP = (
+    "show TensorFlow's own log lines (C++ and absl: device setup, DTensor, "
+    "grappler); without it the command sets TF_CPP_MIN_LOG_LEVEL=3 unless you set it"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `tfmp` and its commands."""
+    parser = argparse.ArgumentParser(
+        prog="tfmp", description="Model parallelism for Keras 3 on TensorFlow."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="train a small Transformer LM on a 2x4 (batch x model) mesh"
+        "demo",
+        help="train a small Transformer LM on a 2x4 (batch x model) mesh",
+        description="Trains a one-block Transformer LM with model.fit on a (batch, model) "
+        "mesh, split Megatron-style (tfmp.demo.MEGATRON_RULES), then prints tfmp.summary "
+        "and the loss of every epoch. Without enough GPUs or TPU cores the mesh is "
+        "simulated on the CPU.",
     )
-    demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--epochs", type=int, default=3, help="epochs to train (default: 3)")
     demo.add_argument(
-        "--mesh", default="2x4", help="batch x model mesh shape, e.g. 2x4 or 1x8"
+        "--mesh", default="2x4", help="BATCHxMODEL mesh shape, e.g. 2x4 (default) or 1x8"
     )
+    demo.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     launch = commands.add_parser(
         "launch",
         help="run a program as several clients of one run on this machine",
@@ -26,8 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-restarts, starts them all again. SIGTERM to it is passed to every "
         "client, which saves a BackupAndRestore backup and exits with status 143.",
     )
-    launch.add_argument("--num-processes", type=int, required=True)
-    launch.add_argument("--devices-per-process", type=int, required=True)
+    launch.add_argument("--num-processes", type=int, required=True, help="clients to start")
+    launch.add_argument(
+        "--devices-per-process", type=int, required=True,
+        help="logical devices of each client (its CPU split with tfmp.simulate_devices)",
+    )
     launch.add_argument("--timeout", type=float, default=None, help="seconds before all are stopped")
     launch.add_argument(
         "--step-timeout", type=float, default=None,
@@ -49,8 +73,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--restart-devices-per-process", type=int, default=None,
         help="devices of each client of a restarted run (default: as many)",
     )
+    launch.add_argument(
+        "--verbose", action="store_true", help=_VERBOSE_HELP + " (the clients inherit it)"
+    )
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- python train.py ...")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `tfmp` command line on `argv` (default: `sys.argv[1:]`);
+    returns the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verbose:
+        os.environ[_env.TF_LOG_LEVEL] = "0"
+    else:
+        os.environ.setdefault(_env.TF_LOG_LEVEL, _env.QUIET_LOG_LEVEL)
     if args.command == "launch":
         from tfmp.launch import launch as launch_clients
 
@@ -71,13 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
     if args.command == "demo":
-        from tfmp import demo as demo_lib
-
         try:
             shape = tuple(int(size) for size in args.mesh.lower().split("x"))
         except ValueError:
             shape = ()
-        if len(shape) != 2:
+        if len(shape) != 2 or min(shape) < 1:
             parser.error(f"--mesh {args.mesh!r}: expected BATCHxMODEL such as 2x4")
+        _env.import_tensorflow()
+        from tfmp import demo as demo_lib
+
         demo_lib.run(shape, epochs=args.epochs)
     return 0

@@ -72,9 +72,15 @@ def next_token_data(
 
 
 def run(
-    mesh_shape: tuple[int, int] = (2, 4), epochs: int = 3, print_fn: Any = print
+    mesh_shape: tuple[int, int] = (2, 4),
+    epochs: int = 3,
+    print_fn: Any = print,
+    verbose: int | str = "auto",
 ) -> list[float]:
-    """Trains the demo LM on a ("batch", "model") mesh; returns epoch losses."""
+    """Trains the demo LM on a ("batch", "model") mesh; returns epoch losses.
+
+    `verbose` is `model.fit`'s: with it Keras shows its progress bar and tfmp
+    how long laying out the first step took."""
     import keras
 
     import tensorflow as tf
@@ -98,7 +104,7 @@ def run(
             metrics=["accuracy"],
         )
     x, y = next_token_data(512, seq_len=8, vocab_size=64)
-    history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=epochs, verbose=verbose)
     tfmp.summary(model, print_fn=print_fn)
     for epoch, (loss, accuracy) in enumerate(
         zip(history.history["loss"], history.history["accuracy"]), start=1

@@ -100,6 +100,13 @@ def _share_cores(n: int) -> None:
         pass  # TensorFlow has started; its threads can no longer change
 
 
+def is_simulated(device_type: str) -> bool:
+    """Whether this machine's first physical device of `device_type` is split
+    into several logical devices (`simulate_devices`)."""
+    physical = tf.config.list_physical_devices(device_type)
+    return bool(physical) and len(tf.config.get_logical_device_configuration(physical[0]) or []) > 1
+
+
 def devices_for(count: int) -> list[str]:
     """`count` devices for a mesh: TPU cores or GPUs when there are that many,
     else CPU devices (split with `simulate_devices` first).

@@ -9,7 +9,7 @@ With `max_restarts`, a failed run is started again, every client, as
 torchrun's elastic agent does; a program with `BackupAndRestore` resumes
 from its newest backup. A SIGTERM to `launch` (the job is preempted) is
 passed to every client, which saves a backup and exits with
-`PREEMPTED_EXIT_CODE` (`tfmp.strategy.preemption`); `launch` then exits
+`PREEMPTED_EXIT_CODE` (`tfmp.strategy.preemption`, `tfmp._env`); `launch` then exits
 with it too, without restarting.
 """
 
@@ -25,7 +25,7 @@ import threading
 import time
 from typing import IO, Iterator, Sequence
 
-from tfmp.strategy.preemption import PREEMPTED_EXIT_CODE
+from tfmp._env import PREEMPTED_EXIT_CODE
 
 _POLL_S = 0.1
 _GRACE_S = 5.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import dataclasses
 import functools
 import re
 import threading
@@ -413,6 +414,19 @@ def _find_declared(path: str, declarations: Any) -> tuple[str, Axes] | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class UndividedDimension:
+    """A variable's dimension kept whole: its size does not divide by the
+    mesh axis its layout splits it over."""
+
+    path: str
+    dim: int
+    size: int
+    axis: str
+    parts: int
+    source: str
+
+
 def axes_to_layout(
     axes: Axes,
     mesh: DeviceMesh,
@@ -420,13 +434,16 @@ def axes_to_layout(
     path: str,
     rule: str | None,
     missing_axis_replicates: bool = False,
+    undivided: list[UndividedDimension] | None = None,
 ) -> dtensor.Layout:
     """Builds the DTensor layout for one variable, checking the axes against it.
 
-    A dimension whose size does not divide by its mesh axis is kept whole, with
-    a warning naming the variable. A mesh axis the mesh lacks is an error, or,
-    with `missing_axis_replicates` (layouts that layers declare), keeps that
-    dimension whole: the layer then behaves as its Keras counterpart.
+    A dimension whose size does not divide by its mesh axis is kept whole: it
+    is added to `undivided` when given (the strategy warns once about all of a
+    model's), else warned about by itself. A mesh axis the mesh lacks is an
+    error, or, with `missing_axis_replicates` (layouts that layers declare),
+    keeps that dimension whole: the layer then behaves as its Keras
+    counterpart.
     """
     shape = tuple(shape)
     source = rule or "its layout"
@@ -444,13 +461,16 @@ def axes_to_layout(
         mesh.check_axis(axis, what=f"Mesh axis of variable {path!r} ({source})")
         parts = mesh.axis_size(axis)
         if size % parts:
-            warnings.warn(
-                f"tfmp: variable {path!r} dimension {dim} has size {size}, which does "
-                f"not divide by mesh axis {axis!r} of size {parts}; that dimension is "
-                f"replicated instead of split. Change {source} or make the size a "
-                f"multiple of {parts}.",
-                stacklevel=2,
-            )
+            if undivided is not None:
+                undivided.append(UndividedDimension(path, dim, size, axis, parts, source))
+            else:
+                warnings.warn(
+                    f"tfmp: variable {path!r} dimension {dim} has size {size}, which does "
+                    f"not divide by mesh axis {axis!r} of size {parts}; that dimension is "
+                    f"replicated instead of split. Change {source} or make the size a "
+                    f"multiple of {parts}.",
+                    stacklevel=2,
+                )
             specs.append(dtensor.UNSHARDED)
         else:
             specs.append(axis)

@@ -104,7 +104,7 @@ class ReadOnceEpochs:
         EpochIterator.__init__(self, *args, **kwargs)
         self._distribute_strategy = distribute_strategy
         extended = extended_of(distribute_strategy)
-        extended.warn_unmatched_layout_rules()
+        extended.warn_about_layout_rules()
         dataset = self.data_adapter.get_tf_dataset()
         self._element_spec = dataset.element_spec
         if isinstance(dataset, MeshDataset):

@@ -23,6 +23,7 @@ from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_host, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
 from tfmp.strategy.stage_hooks import StageHooks
+from tfmp.strategy.undivided import UndividedDimensions
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.variable_layout import (
     fully_sharded,
@@ -83,6 +84,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         self.fully_shard_axis = batch_axis if fully_shard else None
         self.first_step_graphs = FirstStepGraphs()
         self._checked_layout_map = False
+        # The dimensions layouts split that the mesh cannot, till the next step.
+        self.undivided = UndividedDimensions()
         # The variables that optimizers have made slots for.
         self._with_slots: set[Any] = set()
         # The variables `layout_map="auto"` has laid out.
@@ -129,6 +132,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             with tf.device("CPU:0"):
                 value = initial_value() if callable(initial_value) else initial_value
                 value = tf.convert_to_tensor(value, dtype=dtype)
+            undivided = []
             layout = resolve_layout(
                 path,
                 value.shape,
@@ -138,7 +142,10 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 declared=declared,
                 rule=rule,
                 fully_shard_axis=self.fully_shard_axis,
+                undivided=undivided,
             )
+            if colocate_with is None:
+                self.undivided.note_variable(path, value, layout, undivided)
             return to_layout(value, layout)
 
         if colocate_with is not None:
@@ -294,11 +301,15 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             if match is None or explicit_layout(variable) is not None:
                 continue
             mesh = self.stages.mesh_of(variable.value.stage)
-            layout = axes_to_layout(match[1], mesh, variable.shape, variable.path, "auto_layout")
+            undivided = []
+            layout = axes_to_layout(
+                match[1], mesh, variable.shape, variable.path, "auto_layout", undivided=undivided
+            )
             if self.fully_shard_axis is not None:
                 layout = fully_sharded(
                     layout, variable.shape, self.fully_shard_axis, variable.dtype
                 )
+            self.undivided.note_variable(variable.path, variable.value, layout, undivided)
             self.move_variable(
                 variable, layout, gathered=gathered_axes(self.placer.batch_axis, rule=match)
             )
@@ -395,7 +406,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         with GlobalReplicaContext(self._container_strategy()):
             outputs = fn(*args, **kwargs)
         # After the step: a model built by its first call in the step exists now.
-        self.warn_unmatched_layout_rules()
+        self.warn_about_layout_rules()
         # Outputs leave the step replicated so that callers can read them.
         return tf.nest.map_structure(self._replicated_output, outputs)
 
@@ -541,7 +552,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
 
     def _experimental_distribute_dataset(self, dataset, options):
         del options
-        self.warn_unmatched_layout_rules()
+        self.warn_about_layout_rules()
         _install_host_fed_loops()
         return MeshDataset(
             dataset, self.placer, self.first_step_graphs, on_batch=self.note_step_rows
@@ -552,7 +563,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         `InputContext` whose pipelines are the clients' parts of the batch
         axis, and returns batches of this client's rows only."""
         del options
-        self.warn_unmatched_layout_rules()
+        self.warn_about_layout_rules()
         _install_host_fed_loops()
         pipelines, pipeline_id = self._input_pipelines()
         context = tf.distribute.InputContext(
@@ -581,11 +592,14 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
             value_fn(tf.distribute.experimental.ValueContext(0, 1))
         )
 
-    def warn_unmatched_layout_rules(self) -> None:
+    def warn_about_layout_rules(self) -> None:
         """Checks once, at the first step whose model has variables, the
-        LayoutMap rules against them (`LayoutMap.check_matched`)."""
+        LayoutMap rules against them (`LayoutMap.check_matched`), and warns
+        at each step about the dimensions kept whole since the last one, in
+        one message (`UndividedDimensions`)."""
         if not self._checked_layout_map:
             self._checked_layout_map = self.layout_map.check_matched()
+        self.undivided.warn(list(self.models))
 
 
 def _off_mesh_if_eager(value: tf.Tensor) -> tf.Tensor:

@@ -11,7 +11,8 @@ to keep its first step's graphs for `tfmp.comm_report`), and whether the
 batches they feed train it (a pipeline checks that a training batch splits
 into its micro-batches); `fit` and `evaluate` also that the pass Keras makes
 over their data to build the model is to read nothing
-(`tfmp.strategy.epoch_iterator`). Anything else passes through untouched. A pipeline
+(`tfmp.strategy.epoch_iterator`); `fit` showing progress says when it lays
+out its first step (`tfmp.strategy.first_step_note`). Anything else passes through untouched. A pipeline
 model's `train_step` and `test_step` are the pipeline's
 (`tfmp.pipeline.keras_hooks`). A model with no `call()` of its own (a GAN
 with its own `train_step`) skips Keras' symbolic build, as it does without a
@@ -40,6 +41,7 @@ from tfmp.forward import forward_mesh, forward_on
 from tfmp.strategy import errors, peer_errors
 from tfmp.strategy.epoch_iterator import build_pass_expected
 from tfmp.strategy.extended import extended_of
+from tfmp.strategy.first_step_note import with_first_step_note
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
@@ -97,6 +99,15 @@ def placer_for(layer: Any) -> BatchPlacer | None:
     return None
 
 
+def _mesh_of(model: Any) -> dtensor.Mesh:
+    """The whole mesh `model` runs on: its strategy's (every pipeline stage's
+    devices), else that of its batches."""
+    extended = extended_of(getattr(model, "_distribute_strategy", None)) or extended_of(
+        tf.distribute.get_strategy()
+    )
+    return extended.mesh.dtensor_mesh if extended is not None else placer_for(model).mesh
+
+
 @contextlib.contextmanager
 def _running(model: Any, method: str) -> Iterator[None]:
     """Tells the model's tfmp strategy, if any, that `model` runs Keras'
@@ -128,6 +139,10 @@ def prepared(method: Callable) -> Callable:
             if method.__name__ != "predict":
                 callbacks = with_step_errors(callbacks)
                 build_pass = build_pass_expected()
+            if method.__name__ == "fit":
+                callbacks = with_first_step_note(
+                    callbacks, self, _mesh_of(self), bound.arguments.get("verbose", "auto")
+                )
             bound.arguments["callbacks"] = with_step_watch(callbacks)
             watched = watched_call()
             args, kwargs = bound.args[1:], bound.kwargs

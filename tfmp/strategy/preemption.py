@@ -34,12 +34,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from tensorflow.experimental import dtensor
 
 from tfmp import distributed
-
-# 128 + SIGTERM, what a shell reports for a process SIGTERM stopped: the
-# status schedulers expect of a preempted job. `tfmp launch` tells it from a
-# failure (and a process killed by an unhandled SIGTERM shows -15 to its
-# parent, not 143).
-PREEMPTED_EXIT_CODE = 143
+from tfmp._env import PREEMPTED_EXIT_CODE
 
 
 class PreemptionNotice:

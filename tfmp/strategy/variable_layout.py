@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.layout import Axes, GatheredOnUse, axes_to_layout
+from tfmp.layout import Axes, GatheredOnUse, UndividedDimension, axes_to_layout
 from tfmp.mesh import DeviceMesh
 
 _creating = threading.local()
@@ -47,6 +47,7 @@ def resolve_layout(
     declared: tuple[str, Axes] | None = None,
     rule: tuple[str, Axes] | None = None,
     fully_shard_axis: str | None = None,
+    undivided: list[UndividedDimension] | None = None,
 ) -> dtensor.Layout:
     """The storage layout of a new variable, from what is known about it.
 
@@ -67,6 +68,9 @@ def resolve_layout(
         declared: `(layer name, axes)` its layer declares, or None.
         rule: `(key, axes)` of the LayoutMap rule that matches, or None.
         fully_shard_axis: The mesh axis to shard every weight over as well.
+        undivided: Where the dimensions kept whole because their size does
+            not divide by their mesh axis are added; None: each is warned
+            about (`axes_to_layout`).
 
     Returns:
         A `dtensor.Layout` on `mesh`.
@@ -85,10 +89,12 @@ def resolve_layout(
             )
         layout = axes_to_layout(
             axes, mesh, shape, path, f"the layout layer {owner!r} declares",
-            missing_axis_replicates=True,
+            missing_axis_replicates=True, undivided=undivided,
         )
     elif rule is not None:
-        layout = axes_to_layout(rule[1], mesh, shape, path, f"LayoutMap rule {rule[0]!r}")
+        layout = axes_to_layout(
+            rule[1], mesh, shape, path, f"LayoutMap rule {rule[0]!r}", undivided=undivided
+        )
     else:
         layout = dtensor.Layout.replicated(mesh.dtensor_mesh, len(shape))
     if fully_shard_axis is None:
