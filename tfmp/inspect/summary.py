@@ -133,19 +133,23 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
     Examples:
         >>> text = tfmp.summary(model)
         devices: CPU:0-7, short for /job:localhost/replica:0/task:0/device:CPU:0-7
-
-        variable          shape      layout            shard     bytes
-        ──────────────────────────────────────────────────────────────
-        mlp/up/kernel     (16, 32)   (None, 'model')   (16, 8)   512 B
-        mlp/up/bias       (32,)      ('model',)        (8,)       32 B
-        mlp/down/kernel   (32, 8)    ('model', None)   (8, 8)    256 B
-        mlp/down/bias     (8,)       (None,)           (8,)       32 B
-        ...
+        <BLANKLINE>
+        variable                    shape      layout            shard        bytes
+        ───────────────────────────────────────────────────────────────────────────
+        sequential/dense/kernel     (16, 64)   (None, 'model')   (16, 16)   1.0 KiB
+        sequential/dense/bias       (64,)      (None,)           (64,)        256 B
+        sequential/dense_1/kernel   (64, 4)    ('model', None)   (16, 4)      256 B
+        sequential/dense_1/bias     (4,)       (None,)           (4,)          16 B
+        <BLANKLINE>
+        layout: the mesh axis each dimension is split over (None: not split); shard: ...
+        <BLANKLINE>
         devices   parameters   optimizer     total   replicated
         ───────────────────────────────────────────────────────
-        CPU:0-7        832 B     1.6 KiB   2.4 KiB           4%
-        ... Replicated on CPU:0-7: 4% of each device's bytes,
-        108 B in 1 parameter variable (largest: mlp/down/bias 32 B) and 4 optimizer variables.
+        CPU:0-7      1.5 KiB         0 B   1.5 KiB          18%
+        <BLANKLINE>
+        Each device on a line holds: ... Replicated on CPU:0-7: 18% of each device's bytes,
+        272 B in 2 parameter variables (largest: sequential/dense/bias 256 B;
+        sequential/dense_1/bias 16 B).
     """
     rows = placements(model)
     on_mesh = any(row.axes is not None for row in rows)
