@@ -22,6 +22,7 @@ from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_host, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
+from tfmp.strategy.sparse_division import sparse_update_on
 from tfmp.strategy.stage_hooks import StageHooks
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.variable_layout import (
@@ -516,6 +517,9 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         if args:
             args = (_gradient_for(var, args[0]),) + tuple(args[1:])
         fn = self.stages.update_on_stage(var, fn)  # a pipeline stage's weight: on its mesh
+        if args and isinstance(args[0], tf.IndexedSlices) and isinstance(var, MeshVariable):
+            with sparse_update_on(var.layout.mesh):
+                return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
         return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
