@@ -13,10 +13,35 @@ COMBINE_ALL_REDUCES = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
 # compiles a function, and takes any value, "0" too, as set.
 REAL_GATHERS = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 
+# TensorFlow ops DTensor has no layout rule for ("does not implement layout
+# propagation"), which it runs replicated (inputs gathered, the whole result
+# on every device) once `DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF.<OP IN
+# CAPITALS>` is set, to anything. The stateless draws of `tf.random`
+# (`stateless_gamma`, `stateless_poisson`, `stateless_binomial`,
+# `stateless_categorical`, `stateless_parameterized_truncated_normal`) then
+# draw the whole tensor from the same seed on every device: one device's
+# numbers. TensorFlow's stateful Poisson kernel, seeded alike on every device
+# by `tfmp.lowering.random`, and a `tf.random.Generator`'s binomial, whose
+# state variable is replicated, draw the same numbers on every device too. DTensor reads a switch when it first compiles the op; once one
+# compile had it, the op stays enrolled for the process
+# (`tests/test_user_tf_ops.py` checks, in a fresh process, that each op
+# still needs it).
+REPLICATED_OPS = (
+    "StatelessRandomGammaV3",
+    "StatelessRandomPoisson",
+    "StatelessRandomBinomial",
+    "StatelessMultinomial",
+    "StatelessParameterizedTruncatedNormal",
+    "RandomPoissonV2",
+    "StatefulRandomBinomial",
+)
+REPLICATED_BY_DEFAULT = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."
+
 
 def configure_dtensor_environment() -> None:
-    """Turns off DTensor settings that make Keras training silently wrong, and
-    has it lower all-gathers as gathers."""
+    """Turns off DTensor settings that make Keras training silently wrong,
+    has it lower all-gathers as gathers, and run the `REPLICATED_OPS`
+    replicated."""
     current = os.environ.get(COMBINE_ALL_REDUCES)
     if current not in (None, "0"):
         warnings.warn(
@@ -27,3 +52,5 @@ def configure_dtensor_environment() -> None:
         )
     os.environ[COMBINE_ALL_REDUCES] = "0"
     os.environ.setdefault(REAL_GATHERS, "1")
+    for op in REPLICATED_OPS:
+        os.environ.setdefault(REPLICATED_BY_DEFAULT + op.upper(), "1")

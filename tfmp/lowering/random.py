@@ -277,10 +277,13 @@ LOWERINGS: tuple[Lowering, ...] = tuple(
 # model's new train function, or a second model's in the same strategy,
 # continues the draws where one device's starts again.) Seeds of 0 (no seed
 # anywhere) make one device's kernel seed itself at random, and the mesh
-# picks random seeds: they match in distribution. `tf.random.shuffle` and
+# picks random seeds: they match in distribution. `tf.random.gamma`'s kernel
+# reserves its blocks per number alike, and the stateless gamma op samples as
+# it does: one device's numbers. `tf.random.shuffle` and
 # `tf.random.categorical` have kernels no stateless op reproduces; on a mesh
 # they draw from the same stateless stream, and match one device only in
-# distribution.
+# distribution. `tf.random.poisson`'s kernel has no stateless twin either: it
+# runs as it is on every device, seeded alike.
 
 # Philox blocks of 128 bits a stateful kernel reserves per number it draws.
 _BLOCKS_PER_NUMBER = 256
@@ -448,5 +451,53 @@ def gumbel_categorical_on_mesh(kernel: Callable) -> Callable:
         gumbel = -tf.math.log(-tf.math.log(_replicated(uniform, mesh)))
         samples = tf.argmax(logits[:, None, :] + gumbel, axis=-1, output_type=output_dtype)
         return tf.identity(samples, name=name)
+
+    return wrapper
+
+
+def stateless_gamma_on_mesh(kernel: Callable) -> Callable:
+    """`gen_random_ops.random_gamma` (`tf.random.gamma`) that, on a mesh,
+    draws one device's numbers from `StatelessRandomGammaV3`: a gamma kernel
+    reserves its Philox blocks per number as the normal kernel does, and the
+    stateless kernel samples the same way from the same key and counter."""
+
+    @functools.wraps(kernel)
+    def wrapper(shape, alpha, seed=0, seed2=0, name=None):
+        mesh = _mesh_of_draw()
+        if mesh is None:
+            return kernel(shape, alpha, seed=seed, seed2=seed2, name=name)
+        alpha = _replicated(tf.convert_to_tensor(alpha), mesh)
+        whole_shape = tf.concat(
+            [tf.cast(shape, tf.int64), tf.shape(alpha, out_type=tf.int64)], axis=0
+        )
+        key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(_size(whole_shape))
+        drawn = stateless_v2.stateless_random_gamma_v3(
+            whole_shape, key, counter, _PHILOX, alpha, name=name
+        )
+        return _replicated(drawn, mesh)
+
+    return wrapper
+
+
+def replicated_poisson_on_mesh(kernel: Callable) -> Callable:
+    """`gen_random_ops.random_poisson_v2` (`tf.random.poisson`) that, on a
+    mesh, runs TensorFlow's own kernel on every device with the same seeds
+    (DTensor runs it replicated: `tfmp._env.REPLICATED_OPS`): every device
+    draws the same numbers, like one device's in distribution. No stateless
+    op samples as the kernel does, and the kernel's state starts again in
+    each traced function (tfmp traces one more for a last batch that does not
+    divide the batch axis), so the numbers are not one device's. An op with
+    no seed at all gets random seeds, the same on every device."""
+
+    @functools.wraps(kernel)
+    def wrapper(shape, rate, seed=0, seed2=0, dtype=tf.int64, name=None):
+        mesh = _mesh_of_draw()
+        if mesh is None:
+            return kernel(shape, rate, seed=seed, seed2=seed2, dtype=dtype, name=name)
+        if not (seed or seed2):
+            seed, seed2 = _unseeded_seeds()
+        rate = _replicated(tf.convert_to_tensor(rate), mesh)
+        drawn = kernel(shape, rate, seed=seed, seed2=seed2, dtype=dtype, name=name)
+        return _replicated(drawn, mesh)
 
     return wrapper
