@@ -18,14 +18,16 @@ REAL_GATHERS = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 # on every device) once `DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF.<OP IN
 # CAPITALS>` is set, to anything. The stateless draws of `tf.random`
 # (`stateless_gamma`, `stateless_poisson`, `stateless_binomial`,
-# `stateless_categorical`, `stateless_parameterized_truncated_normal`) then
-# draw the whole tensor from the same seed on every device: one device's
-# numbers. TensorFlow's stateful Poisson kernel, seeded alike on every device
-# by `tfmp.lowering.random`, and a `tf.random.Generator`'s binomial, whose
-# state variable is replicated, draw the same numbers on every device too. DTensor reads a switch when it first compiles the op; once one
-# compile had it, the op stays enrolled for the process
-# (`tests/test_user_tf_ops.py` checks, in a fresh process, that each op
-# still needs it).
+# `stateless_categorical`, `stateless_parameterized_truncated_normal`) and
+# Keras' `random.gamma`, `beta`, `binomial` and `categorical` then draw the
+# whole tensor from the same seed on every device: one device's numbers.
+# TensorFlow's stateful Poisson kernel, seeded alike on every device by
+# `tfmp.lowering.random`, and a `tf.random.Generator`'s binomial, whose state
+# variable is replicated, draw the same numbers on every device too.
+# Measured: DTensor reads a switch when it compiles the op, and once one
+# compile had it the op stays enrolled for the process; so
+# `tests/test_user_tf_ops.py` checks in a fresh process that each op still
+# needs it.
 REPLICATED_OPS = (
     "StatelessRandomGammaV3",
     "StatelessRandomPoisson",
