@@ -190,7 +190,7 @@ PATCHES = (
         "keras.src.backend.tensorflow.numpy",
         "divide",
         "tfmp.strategy.sparse_division:whole_sparse_division",
-        "RMSprop, Adagrad and Adadelta divide an embedding's sparse gradient "
+        "RMSprop and Adagrad divide an embedding's sparse gradient "
         "by a slot in Keras' sparse division, whose tf.cond DTensor lays out "
         "differently in its two branches when the table is split: the first "
         "step stops.",

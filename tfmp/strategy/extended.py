@@ -517,10 +517,13 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         if args:
             args = (_gradient_for(var, args[0]),) + tuple(args[1:])
         fn = self.stages.update_on_stage(var, fn)  # a pipeline stage's weight: on its mesh
-        if args and isinstance(args[0], tf.IndexedSlices) and isinstance(var, MeshVariable):
-            with sparse_update_on(var.layout.mesh):
-                return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
-        return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
+        sparse = bool(args) and isinstance(args[0], tf.IndexedSlices)
+        if sparse and isinstance(var, MeshVariable):
+            updating = sparse_update_on(var.layout.mesh)
+        else:
+            updating = contextlib.nullcontext()
+        with updating:
+            return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with

@@ -1,7 +1,7 @@
 """Keras' division of a sparse gradient by an optimizer slot, on a mesh.
 
-RMSprop and Adagrad (and Adadelta) divide an embedding's `tf.IndexedSlices`
-gradient by a table-sized slot: `lr * g / sqrt(v + eps)`. Keras' sparse
+RMSprop and Adagrad divide an embedding's `tf.IndexedSlices` gradient by a
+table-sized slot: `lr * g / sqrt(v + eps)`. Keras' sparse
 division branches in a `tf.cond` on whether the divisor holds a zero or a
 NaN (then the result also gets the rows where it does). With the table split,
 DTensor lays the two branches out differently (`'tf.IfRegion' op else result
@@ -17,6 +17,10 @@ does; the update then applies them to its own part of the table.
 
 Cost: the divisor (as large as the table) is gathered onto every device once
 per step and update, and each device holds it whole while dividing.
+
+Adadelta and RMSprop with momentum then add the rows of the division (a
+number known only at run time) into a split slot, which DTensor cannot lay
+out: a known limit (docs/guide.md).
 """
 
 from __future__ import annotations
