@@ -8,7 +8,7 @@ from tensorflow.experimental import dtensor
 
 import tfmp
 from helpers import assert_parity, mesh, rules
-from tfmp.forward import forward_on
+from tfmp.forward import MicrobatchedStep, forward_on
 from tfmp.strategy.variable import MeshVariable
 
 # Every random layer gets a `seed=` of its own: SeedGenerator states are no
@@ -130,6 +130,12 @@ def draws(x, seed):
         "shuffle_rows": keras.random.shuffle(x, seed=seed),
         "shuffle_columns": keras.random.shuffle(x, axis=1, seed=seed),
         "int_seed": zeros + keras.random.uniform(shape, seed=5),
+        # Ops DTensor has no layout rule for, run replicated (tfmp._env.REPLICATED_OPS).
+        "gamma": zeros + keras.random.gamma(shape, 2.0, seed=seed),
+        "binomial": zeros + keras.random.binomial(shape, 5.0, 0.5, seed=seed),
+        "beta": zeros + keras.random.beta(shape, 2.0, 3.0, seed=seed),
+        "categorical": tf.cast(zeros, "int32")
+        + keras.random.categorical(x, x.shape[-1], dtype="int32", seed=seed),
     }
 
 
@@ -164,18 +170,11 @@ def test_draws_on_the_mesh_are_one_devices_bitwise(strategy):
                 np.testing.assert_array_equal(copy, want[name], err_msg=name)
 
 
-@pytest.mark.parametrize(
-    "draw",
-    [
-        lambda: keras.random.categorical(tf.zeros((4, 3)), 2, seed=1),
-        lambda: keras.random.gamma((4,), 2.0, seed=1),
-        lambda: keras.random.binomial((4,), 5.0, 0.5, seed=1),
-        lambda: keras.random.beta((4,), 2.0, 3.0, seed=1),
-    ],
-    ids=["categorical", "gamma", "binomial", "beta"],
-)
-def test_draws_dtensor_cannot_lay_out_are_a_clear_error(strategy, draw):
-    traced = tf.function(draw, autograph=False)
-    with forward_on(strategy.extended.home_mesh.dtensor_mesh):
-        with pytest.raises(ValueError, match="DTensor has no layout rule"):
+def test_categorical_in_pipeline_microbatches_is_a_clear_error(strategy):
+    """A micro-batch holds only its rows of the logits: one device's draw for
+    the whole batch cannot be made from them."""
+    step = MicrobatchedStep(count=2, rows=4)
+    traced = tf.function(lambda: keras.random.categorical(tf.zeros((4, 3)), 2, seed=1))
+    with forward_on(strategy.extended.home_mesh.dtensor_mesh), step.microbatch(0):
+        with pytest.raises(ValueError, match="keras.random.categorical in pipeline micro-batches"):
             traced()

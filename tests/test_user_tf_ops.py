@@ -2,20 +2,24 @@
 written before Keras 3) run on a mesh with one device's numbers.
 
 Random ops: TensorFlow's stateful kernels (`tf.random.normal`, `uniform`,
-`truncated_normal`, `tf.keras.backend.random_normal`) draw bitwise one
-device's numbers on the mesh, step after step, once the global seed is set
-(with or without an op seed). Unseeded ones,
-`tf.random.shuffle` and `tf.random.categorical` cannot equal one device's
+`truncated_normal`, `gamma`, `tf.keras.backend.random_normal`) draw bitwise
+one device's numbers on the mesh, step after step, once the global seed is
+set (with or without an op seed), and so do the stateless draws
+(`tf.random.stateless_*`). Unseeded ones, `tf.random.shuffle`,
+`tf.random.categorical` and `tf.random.poisson` cannot equal one device's
 (one device seeds an unseeded kernel at random; no stateless op reproduces
-the shuffle and multinomial kernels): those are checked in distribution, and
-whole on every device (every shard of the replicated draw equal), since a
-draw that differed between devices would train silently wrong.
+the shuffle, multinomial and Poisson kernels): those are checked in
+distribution, and whole on every device (every shard of the replicated draw
+equal), since a draw that differed between devices would train silently
+wrong. A `tf.random.Generator` draws MirroredStrategy's numbers.
 
 Other op families (shapes, reductions, math, gathers, one-hot and argmax, selections, casts) run
 in a layer between a column- and a row-parallel Dense, where the activation
 is split over batch and "model", with a last batch that does not divide the
 batch axis (21 samples at batch 8 on 2x4).
 """
+
+import os
 
 import keras
 import numpy as np
@@ -39,6 +43,30 @@ def _seeded_draws():
         "same_seed_again": tf.random.normal(shape, mean=1.0, stddev=2.0, seed=1),
         # Seeded by the global seed and its place among the graph's unseeded ops.
         "global_seed_only": tf.random.uniform([5]),
+        "gamma": tf.random.gamma(shape, alpha=[0.5, 2.0], beta=[1.0, 3.0], seed=7),
+        **_stateless_draws(),
+    }
+
+
+def _stateless_draws():
+    """TensorFlow's stateless draws: the ops DTensor has no layout rule for
+    run replicated (`tfmp._env.REPLICATED_OPS`); the others have rules."""
+    seed = tf.constant([1, 2])
+    return {
+        "stateless_normal": tf.random.stateless_normal([5, 3], seed),
+        "stateless_uniform_int": tf.random.stateless_uniform(
+            [6], seed, minval=0, maxval=10, dtype=tf.int32
+        ),
+        "stateless_truncated": tf.random.stateless_truncated_normal([4, 2], seed),
+        "stateless_categorical": tf.random.stateless_categorical(
+            tf.math.log([[0.2, 0.3, 0.5]]), 8, seed
+        ),
+        "stateless_gamma": tf.random.stateless_gamma([4, 2], seed, alpha=[0.5, 2.0]),
+        "stateless_poisson": tf.random.stateless_poisson([5], seed, lam=3.0),
+        "stateless_binomial": tf.random.stateless_binomial([5], seed, counts=10.0, probs=0.3),
+        "stateless_parameterized_truncated": tf.random.stateless_parameterized_truncated_normal(
+            [5], seed, means=0.0, stddevs=2.0, minvals=-1.0, maxvals=1.0
+        ),
     }
 
 
@@ -65,23 +93,34 @@ def test_seeded_stateful_draws_equal_one_devices_step_after_step(strategy):
             np.testing.assert_array_equal(got_step[key], want_step[key], err_msg=key)
     # A kernel continues its sequence from step to step.
     assert not np.array_equal(want[0]["normal"], want[1]["normal"])
+    assert not np.array_equal(want[0]["gamma"], want[1]["gamma"])
 
 
-def _distribution_draws():
+def _distribution_draws(generator):
     logits = tf.math.log([[0.2, 0.3, 0.5]])
     return {
         "normal": tf.random.normal([20000]),
         "shuffled": tf.random.shuffle(tf.range(64)),
         "categorical": tf.random.categorical(logits, 20000),
+        "poisson": tf.random.poisson([20000], lam=3.0),
+        "generator_normal": generator.normal([20000]),
+        "generator_binomial": generator.binomial([20000], counts=10.0, probs=0.3),
     }
 
 
-def test_unseeded_shuffled_and_categorical_draws_match_in_distribution(strategy):
-    """No equality to one device is possible here (see the module docstring):
+def _within_4_standard_errors(draws, mean, variance):
+    assert abs(draws.mean() - mean) < 4 * np.sqrt(variance / draws.size)
+
+
+def test_unseeded_shuffled_categorical_and_poisson_draws_match_in_distribution(strategy):
+    """No equality to one device is possible here (see the module docstring;
+    TensorFlow's Poisson kernel starts again in each traced function):
     moments, a permutation, class frequencies within 4 standard errors, and
     the same numbers on every device."""
     tf.random.set_seed(None)  # no seed anywhere: one device seeds at random
-    step = tf.function(lambda: strategy.run(_distribution_draws))
+    with strategy.scope():
+        generator = tf.random.Generator.from_non_deterministic_state()
+    step = tf.function(lambda: strategy.run(lambda: _distribution_draws(generator)))
     first, second = step(), step()
     for name, value in first.items():
         shards = [s.numpy() for s in dtensor.unpack(value)]
@@ -96,6 +135,87 @@ def test_unseeded_shuffled_and_categorical_draws_match_in_distribution(strategy)
     assert not np.array_equal(shuffled, second["shuffled"].numpy())  # a new permutation each step
     counts = np.bincount(first["categorical"].numpy().ravel(), minlength=3) / 20000
     np.testing.assert_allclose(counts, [0.2, 0.3, 0.5], atol=4 * np.sqrt(0.25 / 20000))
+    _within_4_standard_errors(first["poisson"].numpy(), 3.0, 3.0)
+    assert not np.array_equal(first["poisson"].numpy(), second["poisson"].numpy())
+    _within_4_standard_errors(first["generator_normal"].numpy(), 0.0, 1.0)
+    _within_4_standard_errors(first["generator_binomial"].numpy(), 3.0, 10 * 0.3 * 0.7)
+    assert not np.array_equal(
+        first["generator_normal"].numpy(), second["generator_normal"].numpy()
+    )
+
+
+def _generator_draws(generator):
+    return {
+        "normal": generator.normal([5, 3]),
+        "uniform_int": generator.uniform([6], maxval=9, dtype=tf.int32),
+        "binomial": generator.binomial([4], counts=10.0, probs=0.3),
+    }
+
+
+def test_a_generator_draws_what_it_draws_under_mirrored_strategy(strategy):
+    """Under any tf.distribute strategy TensorFlow folds the replica's id
+    into a `tf.random.Generator`'s key, so its numbers are not the ones it
+    draws outside a strategy; on the mesh they are those of
+    MirroredStrategy's (one replica, id 0), step after step."""
+    mirrored = tf.distribute.MirroredStrategy(["CPU:0"])
+    with mirrored.scope():
+        reference = tf.random.Generator.from_seed(5)
+    with strategy.scope():
+        generator = tf.random.Generator.from_seed(5)
+    want = _three_steps(tf.function(lambda: mirrored.run(lambda: _generator_draws(reference))))
+    got = _three_steps(tf.function(lambda: strategy.run(lambda: _generator_draws(generator))))
+    for want_step, got_step in zip(want, got):
+        for key in want_step:
+            np.testing.assert_array_equal(got_step[key], want_step[key], err_msg=key)
+    assert not np.array_equal(want[0]["normal"], want[1]["normal"])
+
+
+# The ops `tfmp._env.REPLICATED_OPS` enrolls, each drawn on a mesh in a fresh
+# process without tfmp (whose import sets DTensor's switches).
+_WITHOUT_THE_SWITCH = """
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+mesh = dtensor.create_mesh([("x", 2)], devices=["CPU:0", "CPU:1"])
+one = dtensor.copy_to_mesh(tf.constant(1.0), dtensor.Layout.replicated(mesh, 0))
+seed = tf.constant([1, 2])
+state = dtensor.DVariable(dtensor.copy_to_mesh(
+    tf.constant([5, 0, 0], tf.int64), dtensor.Layout.replicated(mesh, 1)))
+draws = {
+    "StatelessRandomGammaV3": lambda a: tf.random.stateless_gamma([3], seed, alpha=a),
+    "StatelessRandomPoisson": lambda a: tf.random.stateless_poisson([3], seed, lam=a),
+    "StatelessRandomBinomial": lambda a: tf.random.stateless_binomial([3], seed, 10.0, a / 2),
+    "StatelessMultinomial": lambda a: tf.random.stateless_categorical(tf.math.log([[a, a]]), 3, seed),
+    "StatelessParameterizedTruncatedNormal": lambda a: tf.random.stateless_parameterized_truncated_normal([3], seed, 0.0, a, -1.0, 1.0),
+    "RandomPoissonV2": lambda a: tf.random.poisson([3], lam=a, seed=1),
+    "StatefulRandomBinomial": lambda a: tf.raw_ops.StatefulRandomBinomial(
+        resource=state.handle, algorithm=1, shape=[3], counts=10.0 * a, probs=a / 2),
+}
+for op, draw in draws.items():
+    try:
+        tf.function(draw)(one)
+        print(op, "runs")
+    except Exception as error:
+        print(op, "refused" if "does not implement layout propagation" in str(error) else error)
+"""
+
+
+def test_each_replicated_op_still_needs_dtensors_switch():
+    """When a TensorFlow release gives one of these ops a layout rule, its
+    entry in `tfmp._env.REPLICATED_OPS` is no longer needed: this fails."""
+    import subprocess
+    import sys
+
+    from tfmp._env import REPLICATED_BY_DEFAULT, REPLICATED_OPS
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(REPLICATED_BY_DEFAULT)}
+    finished = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_THE_SWITCH], env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    lines = dict(line.split(" ", 1) for line in finished.stdout.splitlines() if " " in line)
+    assert lines == {op: "refused" for op in REPLICATED_OPS}, finished.stdout + finished.stderr[-2000:]
 
 
 class NoisyDense(keras.layers.Layer):
@@ -173,3 +293,81 @@ def test_tensorflow_op_family_matches_one_device(family):
 
     x, y = _data(21)
     assert_parity(build, rules(DENSE_SPLIT), x, y, steps=3, batch_size=8)
+
+
+# Noise drawn in a layer's call, shaped like its input `x` (split over batch
+# and "model"), with TensorFlow's random ops: draws that equal one device's,
+# and draws that match it only in distribution.
+EQUAL_DRAWS = {
+    "gamma": lambda layer, x: tf.random.gamma(tf.shape(x), alpha=2.0, seed=7),
+    "stateless_gamma": lambda layer, x: tf.random.stateless_gamma(tf.shape(x), [1, 2], alpha=2.0),
+    "stateless_poisson": lambda layer, x: tf.random.stateless_poisson(tf.shape(x), [3, 4], lam=2.0),
+    "stateless_binomial": lambda layer, x: tf.random.stateless_binomial(
+        tf.shape(x), [5, 6], counts=4.0, probs=0.5
+    ),
+    "stateless_categorical": lambda layer, x: tf.random.stateless_categorical(x, 32, [7, 8]),
+    "stateless_truncated": lambda layer, x: tf.random.stateless_parameterized_truncated_normal(
+        tf.shape(x), [9, 10], means=0.0, stddevs=1.0, minvals=-1.0, maxvals=1.0
+    ),
+}
+DISTRIBUTION_DRAWS = {
+    "poisson": lambda layer, x: tf.random.poisson(tf.shape(x), lam=2.0, seed=8),
+    "generator_normal": lambda layer, x: layer.generator.normal(tf.shape(x)),
+    "generator_binomial": lambda layer, x: layer.generator.binomial(
+        tf.shape(x), counts=4.0, probs=0.5
+    ),
+}
+
+
+class DrawingDense(keras.layers.Layer):
+    """A pre-Keras-3 layer: a Dense, then noise from each of `draws`."""
+
+    def __init__(self, draws, **kwargs):
+        super().__init__(**kwargs)
+        self.draws = draws
+        self.dense = keras.layers.Dense(32, name="up")
+        self.generator = tf.random.Generator.from_seed(5)
+
+    def call(self, x, training=False):
+        x = self.dense(x)
+        if training:
+            for draw in self.draws.values():
+                x = x + 0.01 * tf.cast(draw(self, x), x.dtype)
+        return x
+
+
+def _drawing_model(draws):
+    def build():
+        inputs = keras.Input((16,))
+        hidden = DrawingDense(draws, name="noisy")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(8, name="down")(hidden))
+
+    return build
+
+
+def test_a_layer_drawing_gamma_and_stateless_draws_trains_like_one_device():
+    x, y = _data(37)  # the last batch, of 5 rows, divides no mesh axis
+    tf.random.set_seed(11)
+    assert_parity(_drawing_model(EQUAL_DRAWS), rules(DENSE_SPLIT), x, y, steps=5, batch_size=8)
+
+
+def test_a_layer_drawing_poisson_and_a_generator_trains_alike_on_every_device():
+    """These match one device in distribution only; each device draws the same
+    numbers, so the replicated weights stay equal on every device."""
+    x, y = _data(37)
+    tf.random.set_seed(11)
+    with tfmp.ModelParallelStrategy(mesh((2, 4)), rules(DENSE_SPLIT)(mesh((2, 4)))).scope():
+        model = _drawing_model(DISTRIBUTION_DRAWS)()
+        model.compile(optimizer="adam", loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert history.history["loss"][1] < history.history["loss"][0]
+    replicated = {
+        "down/bias": model.get_layer("down").bias.value,
+        "generator state": model.get_layer("noisy").generator.state,
+    }
+    for name, variable in replicated.items():
+        copies = [copy.numpy() for copy in dtensor.unpack(variable.read_value())]
+        assert len(copies) == 8
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0], err_msg=name)

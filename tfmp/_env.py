@@ -34,10 +34,37 @@ _EARLY_NATIVE_LOG = re.compile(
     r"WARNING: All log messages before absl::InitializeLog\(\) is called)"
 )
 
+# TensorFlow ops DTensor has no layout rule for ("does not implement layout
+# propagation"), which it runs replicated (inputs gathered, the whole result
+# on every device) once `DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF.<OP IN
+# CAPITALS>` is set, to anything. The stateless draws of `tf.random`
+# (`stateless_gamma`, `stateless_poisson`, `stateless_binomial`,
+# `stateless_categorical`, `stateless_parameterized_truncated_normal`) and
+# Keras' `random.gamma`, `beta`, `binomial` and `categorical` then draw the
+# whole tensor from the same seed on every device: one device's numbers.
+# TensorFlow's stateful Poisson kernel, seeded alike on every device by
+# `tfmp.lowering.random`, and a `tf.random.Generator`'s binomial, whose state
+# variable is replicated, draw the same numbers on every device too.
+# Measured: DTensor reads a switch when it compiles the op, and once one
+# compile had it the op stays enrolled for the process; so
+# `tests/test_user_tf_ops.py` checks in a fresh process that each op still
+# needs it.
+REPLICATED_OPS = (
+    "StatelessRandomGammaV3",
+    "StatelessRandomPoisson",
+    "StatelessRandomBinomial",
+    "StatelessMultinomial",
+    "StatelessParameterizedTruncatedNormal",
+    "RandomPoissonV2",
+    "StatefulRandomBinomial",
+)
+REPLICATED_BY_DEFAULT = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."
+
 
 def configure_dtensor_environment() -> None:
-    """Turns off DTensor settings that make Keras training silently wrong, and
-    has it lower all-gathers as gathers."""
+    """Turns off DTensor settings that make Keras training silently wrong,
+    has it lower all-gathers as gathers, and run the `REPLICATED_OPS`
+    replicated."""
     current = os.environ.get(COMBINE_ALL_REDUCES)
     if current not in (None, "0"):
         warnings.warn(
@@ -105,3 +132,5 @@ def started_as_command() -> bool:
     if sys.argv[:1] != ["-m"] or "-m" not in command:
         return False
     return command[command.index("-m") + 1 :][:1] == ["tfmp"]
+    for op in REPLICATED_OPS:
+        os.environ.setdefault(REPLICATED_BY_DEFAULT + op.upper(), "1")

@@ -196,6 +196,16 @@ PATCHES = (
         "at the first strategy.run; the strategy learns which models it holds.",
     ),
     Patch(
+        "keras.src.backend.tensorflow.numpy",
+        "divide",
+        "tfmp.strategy.sparse_division:whole_sparse_division",
+        "RMSprop and Adagrad divide an embedding's sparse gradient "
+        "by a slot in Keras' sparse division, whose tf.cond DTensor lays out "
+        "differently in its two branches when the table is split: the first "
+        "step stops.",
+        parameters=("x1", "x2"),
+    ),
+    Patch(
         "keras.src.backend.tensorflow.core:Variable",
         "_initialize",
         f"{_HOOKS}:announced",

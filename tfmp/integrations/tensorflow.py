@@ -117,6 +117,18 @@ PATCHES = (
                 ("shape", "minval", "maxval", "seed", "seed2", "name"),
             ),
             (
+                "random_gamma",
+                "stateless_gamma_on_mesh",
+                "the numbers one device draws",
+                ("shape", "alpha", "seed", "seed2", "name"),
+            ),
+            (
+                "random_poisson_v2",
+                "replicated_poisson_on_mesh",
+                "the same numbers on every device, like one device's in distribution",
+                ("shape", "rate", "seed", "seed2", "dtype", "name"),
+            ),
+            (
                 "random_shuffle",
                 "shuffled_on_mesh",
                 "a permutation like one device's in distribution",

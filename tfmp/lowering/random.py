@@ -32,8 +32,10 @@ draws add no communication; a tensor parameter of a draw (a broadcast
 `keras.random.shuffle` needs no lowering: its sort keys form one dimension,
 which the sort keeps whole. DTensor has no layout rule for the ops of
 `categorical`, `gamma`, `binomial` and `beta` (AugMix, MixUp and CutMix draw
-with the last three), whose numbers nothing else reproduces, so on a mesh
-those raise an error that says so instead of DTensor's at compile time.
+with the last three) and runs them replicated (`tfmp._env.REPLICATED_OPS`);
+tfmp gives them the step's seed and whole parameters, as the others. A
+pipeline micro-batch holds only its rows of `categorical`'s logits: there
+it raises an error.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import collections
 import functools
 import random
 import weakref
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import tensorflow as tf
 from keras.src.backend.common.name_scope import current_path
@@ -74,28 +76,28 @@ def normal(
     shape: Any, mean: Any = 0.0, stddev: Any = 1.0, dtype: Any = None, seed: Any = None
 ) -> tf.Tensor:
     """Keras' `random.normal`, drawn whole on every device."""
-    return _draw("normal", shape, mean, stddev, dtype, seed)
+    return _draw("normal", shape, (mean, stddev), dtype, seed)
 
 
 def uniform(
     shape: Any, minval: Any = 0.0, maxval: Any = 1.0, dtype: Any = None, seed: Any = None
 ) -> tf.Tensor:
     """Keras' `random.uniform`, drawn whole on every device."""
-    return _draw("uniform", shape, minval, maxval, dtype, seed)
+    return _draw("uniform", shape, (minval, maxval), dtype, seed)
 
 
 def truncated_normal(
     shape: Any, mean: Any = 0.0, stddev: Any = 1.0, dtype: Any = None, seed: Any = None
 ) -> tf.Tensor:
     """Keras' `random.truncated_normal`, drawn whole on every device."""
-    return _draw("truncated_normal", shape, mean, stddev, dtype, seed)
+    return _draw("truncated_normal", shape, (mean, stddev), dtype, seed)
 
 
 def randint(
     shape: Any, minval: Any, maxval: Any, dtype: Any = "int32", seed: Any = None
 ) -> tf.Tensor:
     """Keras' `random.randint`, drawn whole on every device."""
-    return _draw("randint", shape, minval, maxval, dtype, seed)
+    return _draw("randint", shape, (minval, maxval), dtype, seed)
 
 
 def dropout(inputs: Any, rate: float, noise_shape: Any = None, seed: Any = None) -> tf.Tensor:
@@ -119,13 +121,46 @@ def dropout(inputs: Any, rate: float, noise_shape: Any = None, seed: Any = None)
     )
 
 
-def _draw(name: str, shape: Any, low: Any, high: Any, dtype: Any, seed: Any) -> tf.Tensor:
-    """Keras' `random.<name>(shape, low, high, dtype, seed)`, drawn whole on
+def gamma(shape: Any, alpha: Any, dtype: Any = None, seed: Any = None) -> tf.Tensor:
+    """Keras' `random.gamma`, drawn whole on every device."""
+    return _draw("gamma", shape, (alpha,), dtype, seed)
+
+
+def binomial(
+    shape: Any, counts: Any, probabilities: Any, dtype: Any = None, seed: Any = None
+) -> tf.Tensor:
+    """Keras' `random.binomial`, drawn whole on every device."""
+    return _draw("binomial", shape, (counts, probabilities), dtype, seed)
+
+
+def beta(shape: Any, alpha: Any, beta: Any, dtype: Any = None, seed: Any = None) -> tf.Tensor:
+    """Keras' `random.beta` (a ratio of gamma draws), drawn whole on every device."""
+    return _draw("beta", shape, (alpha, beta), dtype, seed)
+
+
+def categorical(logits: Any, num_samples: Any, dtype: Any = "int64", seed: Any = None) -> tf.Tensor:
+    """Keras' `random.categorical`, drawn whole on every device from the
+    whole logits. A pipeline micro-batch holds only its rows of the logits,
+    from which one device's draw for the whole batch cannot be made: an
+    error there."""
+    if microbatched_step() is not None:
+        raise ValueError(
+            f"Layer {current_path() or '?'!r} calls keras.random.categorical in pipeline "
+            "micro-batches: each holds only its rows of the logits, so tfmp cannot draw "
+            "what one device draws for the whole batch. Draw it outside the pipelined "
+            "model (e.g. in the tf.data pipeline), or train without micro-batches."
+        )
+    logits = _replicated(tf.convert_to_tensor(logits))
+    return _replicated(_keras("categorical")(logits, num_samples, dtype, seed))
+
+
+def _draw(name: str, shape: Any, params: tuple, dtype: Any, seed: Any) -> tf.Tensor:
+    """Keras' `random.<name>(shape, *params, dtype, seed)`, drawn whole on
     every device (in a pipeline micro-batch: its rows of the step's draw)."""
     seed = _seed_of_step(seed)
-    low, high = _replicated(low), _replicated(high)
+    params = [_replicated(param) for param in params]
     return _for_microbatch(
-        lambda whole: _replicated(_keras(name)(whole, low, high, dtype, seed)), shape
+        lambda whole: _replicated(_keras(name)(whole, *params, dtype, seed)), shape
     )
 
 
@@ -214,45 +249,19 @@ def _one_row_per_sample(dims: list[Any], step: MicrobatchedStep, shape: Any) -> 
     return leading == step.rows
 
 
-# The op each draw DTensor cannot lay out is made with.
-_NO_LAYOUT_RULE = {
-    "categorical": "StatelessMultinomial",
-    "gamma": "StatelessRandomGammaV3",
-    "binomial": "StatelessRandomBinomial",
-    "beta": "StatelessRandomGammaV3",
-}
-
-
-def _declining(name: str) -> Callable[..., NoReturn]:
-    """Keras' `random.<name>` on a mesh: a ValueError that says where to draw."""
-
-    def decline(*args: Any, **kwargs: Any) -> NoReturn:
-        raise ValueError(
-            f"keras.random.{name} cannot run in a layer's forward pass on a tfmp mesh: "
-            f"DTensor has no layout rule for TensorFlow's {_NO_LAYOUT_RULE[name]}. Draw "
-            "it outside the model, e.g. in the tf.data pipeline (where AugMix, MixUp "
-            "and CutMix belong)."
-        )
-
-    decline.__name__ = name
-    return decline
-
-
-categorical = _declining("categorical")
-gamma = _declining("gamma")
-binomial = _declining("binomial")
-beta = _declining("beta")  # a ratio of gamma draws
-
-
 _MODULE = "keras.src.backend.tensorflow.random"
 _SPLIT_DRAW = "DTensor draws each shard with its local shape and a per-device seed"
+_REPLICATED_DRAW = (
+    "DTensor runs their ops replicated by tfmp's switch (tfmp._env.REPLICATED_OPS), "
+    "and a pipeline micro-batch would draw with a seed of its own"
+)
 
 LOWERINGS: tuple[Lowering, ...] = tuple(
     Lowering(_MODULE, name, f"{__name__}:{name}", _SPLIT_DRAW)
     for name in ("normal", "uniform", "truncated_normal", "randint", "dropout")
 ) + tuple(
-    Lowering(_MODULE, name, f"{__name__}:{name}", f"DTensor has no layout rule for {op}")
-    for name, op in _NO_LAYOUT_RULE.items()
+    Lowering(_MODULE, name, f"{__name__}:{name}", _REPLICATED_DRAW)
+    for name in ("gamma", "binomial", "beta", "categorical")
 )
 
 
@@ -277,10 +286,13 @@ LOWERINGS: tuple[Lowering, ...] = tuple(
 # model's new train function, or a second model's in the same strategy,
 # continues the draws where one device's starts again.) Seeds of 0 (no seed
 # anywhere) make one device's kernel seed itself at random, and the mesh
-# picks random seeds: they match in distribution. `tf.random.shuffle` and
+# picks random seeds: they match in distribution. `tf.random.gamma`'s kernel
+# reserves its blocks per number alike, and the stateless gamma op samples as
+# it does: one device's numbers. `tf.random.shuffle` and
 # `tf.random.categorical` have kernels no stateless op reproduces; on a mesh
 # they draw from the same stateless stream, and match one device only in
-# distribution.
+# distribution. `tf.random.poisson`'s kernel has no stateless twin either: it
+# runs as it is on every device, seeded alike.
 
 # Philox blocks of 128 bits a stateful kernel reserves per number it draws.
 _BLOCKS_PER_NUMBER = 256
@@ -448,5 +460,53 @@ def gumbel_categorical_on_mesh(kernel: Callable) -> Callable:
         gumbel = -tf.math.log(-tf.math.log(_replicated(uniform, mesh)))
         samples = tf.argmax(logits[:, None, :] + gumbel, axis=-1, output_type=output_dtype)
         return tf.identity(samples, name=name)
+
+    return wrapper
+
+
+def stateless_gamma_on_mesh(kernel: Callable) -> Callable:
+    """`gen_random_ops.random_gamma` (`tf.random.gamma`) that, on a mesh,
+    draws one device's numbers from `StatelessRandomGammaV3`: a gamma kernel
+    reserves its Philox blocks per number as the normal kernel does, and the
+    stateless kernel samples the same way from the same key and counter."""
+
+    @functools.wraps(kernel)
+    def wrapper(shape, alpha, seed=0, seed2=0, name=None):
+        mesh = _mesh_of_draw()
+        if mesh is None:
+            return kernel(shape, alpha, seed=seed, seed2=seed2, name=name)
+        alpha = _replicated(tf.convert_to_tensor(alpha), mesh)
+        whole_shape = tf.concat(
+            [tf.cast(shape, tf.int64), tf.shape(alpha, out_type=tf.int64)], axis=0
+        )
+        key, counter = _stream_of_op(mesh, seed, seed2).key_and_counter(_size(whole_shape))
+        drawn = stateless_v2.stateless_random_gamma_v3(
+            whole_shape, key, counter, _PHILOX, alpha, name=name
+        )
+        return _replicated(drawn, mesh)
+
+    return wrapper
+
+
+def replicated_poisson_on_mesh(kernel: Callable) -> Callable:
+    """`gen_random_ops.random_poisson_v2` (`tf.random.poisson`) that, on a
+    mesh, runs TensorFlow's own kernel on every device with the same seeds
+    (DTensor runs it replicated: `tfmp._env.REPLICATED_OPS`): every device
+    draws the same numbers, like one device's in distribution. No stateless
+    op samples as the kernel does, and the kernel's state starts again in
+    each traced function (tfmp traces one more for a last batch that does not
+    divide the batch axis), so the numbers are not one device's. An op with
+    no seed at all gets random seeds, the same on every device."""
+
+    @functools.wraps(kernel)
+    def wrapper(shape, rate, seed=0, seed2=0, dtype=tf.int64, name=None):
+        mesh = _mesh_of_draw()
+        if mesh is None:
+            return kernel(shape, rate, seed=seed, seed2=seed2, dtype=dtype, name=name)
+        if not (seed or seed2):
+            seed, seed2 = _unseeded_seeds()
+        rate = _replicated(tf.convert_to_tensor(rate), mesh)
+        drawn = kernel(shape, rate, seed=seed, seed2=seed2, dtype=dtype, name=name)
+        return _replicated(drawn, mesh)
 
     return wrapper

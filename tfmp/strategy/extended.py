@@ -22,6 +22,7 @@ from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_host, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
+from tfmp.strategy.sparse_division import sparse_update_on
 from tfmp.strategy.stage_hooks import StageHooks
 from tfmp.strategy.undivided import UndividedDimensions
 from tfmp.strategy.variable import MeshVariable
@@ -541,7 +542,13 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         if args:
             args = (_gradient_for(var, args[0]),) + tuple(args[1:])
         fn = self.stages.update_on_stage(var, fn)  # a pipeline stage's weight: on its mesh
-        return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
+        sparse = bool(args) and isinstance(args[0], tf.IndexedSlices)
+        if sparse and isinstance(var, MeshVariable):
+            updating = sparse_update_on(var.layout.mesh)
+        else:
+            updating = contextlib.nullcontext()
+        with updating:
+            return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
         del colocate_with
