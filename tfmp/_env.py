@@ -75,6 +75,8 @@ def configure_dtensor_environment() -> None:
         )
     os.environ[COMBINE_ALL_REDUCES] = "0"
     os.environ.setdefault(REAL_GATHERS, "1")
+    for op in REPLICATED_OPS:
+        os.environ.setdefault(REPLICATED_BY_DEFAULT + op.upper(), "1")
 
 
 def import_tensorflow() -> None:
