@@ -22,6 +22,7 @@ from tfmp import cluster_sources
 from helpers import assert_trained_like_one_process
 
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cluster_train.py")
 CLUSTER_VARIABLES = ("DTENSOR_", "TF_CONFIG", "SLURM_", "TPU_", "KUBE_GOOGLE_CLOUD_TPU", "CUDA_VISIBLE_DEVICES")
 
 
@@ -208,13 +209,16 @@ def test_two_slurm_tasks_on_one_host_train_like_one_process(tmp_path):
     assert_trained_like_one_process(tmp_path)
 
 
-def test_two_tfjob_workers_join_from_the_tf_config_the_operator_sets():
-    """Each pod of examples/kubernetes/tfjob.yaml gets this TF_CONFIG (here
-    with loopback addresses for the pods' service names)."""
+def test_two_tfjob_workers_train_from_the_tf_config_the_operator_sets(tmp_path):
+    """Each pod of examples/kubernetes/tfjob.yaml runs examples/cluster_train.py
+    with this TF_CONFIG (here loopback addresses for the pods' service names)."""
     port = two_free_ports()
     workers = [f"localhost:{port}", f"localhost:{port + 1}"]
     pods = [{"TF_CONFIG": tf_config(workers, index), "TFMP_NUM_LOCAL_DEVICES": "2"} for index in range(2)]
-    outputs = run_clients(pods, [os.path.join(PROGRAMS, "join.py"), "60"], timeout=120)
+    program = [EXAMPLE, "--epochs", "1", "--hidden", "32", "--backup-dir", str(tmp_path)]
+    outputs = run_clients(pods, program, timeout=200)
     for index, output in enumerate(outputs):
         assert f"tfmp.initialize: client {index} of 2 from TF_CONFIG, 2 local CPU devices" in output, output[-3000:]
-        assert f"joined as client {index} of 2 with 2 devices" in output
+        assert f"client {index} of 2 on mesh DeviceMesh(batch=2, model=2; 4 x CPU): final loss" in output
+    # Client 0 wrote the model, and removed the backups of the finished run.
+    assert sorted(os.listdir(tmp_path)) == ["model.keras", "model.keras.sha256"]
