@@ -74,6 +74,7 @@ def test_bad_settings_are_errors_before_anything_starts(monkeypatch):
     with pytest.raises(ValueError, match=r"client_id=-1 \(from DTENSOR_JOBS / DTENSOR_CLIENT_ID\)"):
         tfmp.initialize()
     monkeypatch.delenv("DTENSOR_JOBS")
+    monkeypatch.delenv("DTENSOR_CLIENT_ID")  # a leftover one would contradict TF_CONFIG (tests/test_clusters.py)
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief"}}')
     with pytest.raises(ValueError, match="TF_CONFIG=.* is not a cluster"):
         tfmp.initialize()
