@@ -4,9 +4,9 @@ Each process (a client, usually one per host) owns its local devices; a mesh
 spans the devices of all clients, and DTensor's collectives run between them
 over gRPC, TensorFlow's own multi-client runtime (the one TPU pods and
 multi-host GPU jobs use). tfmp adds what the stock initialization lacks:
-settings read from the cluster manager (`tfmp.cluster_sources`) and checked, waits bounded
-by a timeout instead of hanging on a peer that never comes, and a check that
-every client has as many devices.
+settings read from the cluster manager (`tfmp.cluster_sources`) and checked,
+waits bounded by a timeout instead of hanging on a peer that never comes, and
+a check that every client has as many devices.
 """
 
 from __future__ import annotations
