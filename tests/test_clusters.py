@@ -98,6 +98,11 @@ def test_slurm_shares_a_hosts_gpus_among_its_tasks_unless_slurm_bound_them(envir
     nvidia_smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: H100 (UUID: GPU-{i})'\n" for i in range(4)))
     nvidia_smi.chmod(nvidia_smi.stat().st_mode | stat.S_IEXEC)
     environment(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}", **slurm_step(1, 2, "gpu1", "2"))
+    environment(DTENSOR_JOBS="a:1,b:1", DTENSOR_CLIENT_ID="1")
+    assert found("GPU").source.startswith("DTENSOR_JOBS")
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # a step only checked against another source sets nothing
+    os.environ.pop("DTENSOR_JOBS")
+    os.environ.pop("DTENSOR_CLIENT_ID")
     assert found("GPU").jobs == ("gpu1:8888", "gpu1:8889")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"  # task 1's half, as TensorFlow splits them
     environment(CUDA_VISIBLE_DEVICES="0")  # srun --gpus-per-task 1: SLURM bound the task's GPU

@@ -84,6 +84,8 @@ def find_cluster(
                 "`tfmp launch` sets DTENSOR_*), or pass cluster_resolver= to choose."
             )
     _check_dtensor_counts(chosen)
+    if chosen.source == "SLURM":  # only the chosen source may set this task's GPUs
+        chosen = _from_slurm(device_type, assign_gpus=True)
     if client_id is not None:
         chosen = dataclasses.replace(chosen, client_id=client_id)
     return chosen
@@ -128,7 +130,7 @@ def _addresses(tasks: Any) -> list[str]:
 
 
 def _environment_sources(device_type: str) -> tuple[Callable[[], Found | None], ...]:
-    return (_from_dtensor_variables, _from_tf_config, lambda: _from_slurm(device_type), _from_tpu_slice)
+    return (_from_dtensor_variables, _from_tf_config, lambda: _from_slurm(device_type, False), _from_tpu_slice)
 
 
 def _from_dtensor_variables() -> Found | None:
@@ -155,13 +157,14 @@ def _from_tf_config() -> Found | None:
     return from_resolver(tf.distribute.cluster_resolver.TFConfigClusterResolver(), "TF_CONFIG")
 
 
-def _from_slurm(device_type: str) -> Found | None:
+def _from_slurm(device_type: str, assign_gpus: bool) -> Found | None:
     """A SLURM job step: `srun` sets SLURM_STEP_* in each of its tasks (the
-    batch script of `sbatch` alone is no step, and one client)."""
+    batch script of `sbatch` alone is no step, and one client). With
+    `assign_gpus`, tasks sharing a host's GPUs get their part of them."""
     if "SLURM_STEP_NUM_TASKS" not in os.environ:
         return None
     try:
-        resolver = _slurm_resolver(device_type)
+        resolver = _slurm_resolver(device_type == "GPU" and assign_gpus)
     except (RuntimeError, ValueError, OSError) as error:
         raise ValueError(
             f"SLURM: the job step's variables do not make a cluster: {error}. Start "
@@ -172,15 +175,16 @@ def _from_slurm(device_type: str) -> Found | None:
     return from_resolver(resolver, "SLURM")
 
 
-def _slurm_resolver(device_type: str) -> Any:
+def _slurm_resolver(assign_gpus: bool) -> Any:
     port_base = _reserved_port() or DEFAULT_PORT_BASE
     resolver_class = tf.distribute.cluster_resolver.SlurmClusterResolver
-    if device_type == "GPU" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    if assign_gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
         # Each task sees every GPU of its host: TensorFlow's resolver shares
         # them out among the host's tasks (CUDA_VISIBLE_DEVICES per task).
         return resolver_class(port_base=port_base)
     # SLURM bound this task's GPUs (`--gpus-per-task` sets
-    # CUDA_VISIBLE_DEVICES), or the devices are CPUs: keep them as they are.
+    # CUDA_VISIBLE_DEVICES), the devices are CPUs, or the step is only
+    # checked against another source: keep the devices as they are.
     # The resolver lays tasks out only in steps of GPUs: one "GPU" per task.
     tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
     return resolver_class(port_base=port_base, gpus_per_node=tasks, gpus_per_task=1, auto_set_gpu=False)
