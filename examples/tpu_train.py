@@ -5,12 +5,14 @@ On a TPU VM (one host, e.g. v4-8 or v5e-8):
     pip install tfmp "tensorflow-tpu" -f https://storage.googleapis.com/libtpu-releases/index.html
     python examples/tpu_train.py --mesh 2x4 --epochs 5
 
-On a multi-host TPU slice, run the same command on every host with
-`DTENSOR_JOBS`, `DTENSOR_CLIENT_ID` and `DTENSOR_JOB_NAME` set per host (see
+The cluster comes from `TPUClusterResolver`, as for `TPUStrategy`. On a
+multi-host TPU slice, run the same command on every host: on GKE each pod
+has `TPU_WORKER_HOSTNAMES` and `TPU_WORKER_ID`, on TPU VMs export them (see
 docs/multi-host.md); the mesh then spans every host's cores.
 
-`--dry-run` runs every line except the TPU connection on 8 simulated CPU
-devices, so that CI checks the script:
+`--dry-run` runs every line except the TPU connection (the resolver and
+`tfmp.initialize` included) on 8 simulated CPU devices, so that CI checks
+the script:
 
     python examples/tpu_train.py --dry-run --epochs 1
 
@@ -52,17 +54,18 @@ def parse_args() -> argparse.Namespace:
 
 
 def connect(args: argparse.Namespace) -> str:
-    """Sets up the devices; returns their type."""
-    if args.dry_run:
-        tfmp.simulate_devices(8)
-        return "CPU"
+    """Joins the TPU's hosts and sets up the devices; returns their type."""
     import tensorflow as tf
 
-    if args.tpu != "local":  # a TPU reached over the network
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=args.tpu)
-        tf.config.experimental_connect_to_cluster(resolver)
-    tfmp.initialize(device_type="TPU")  # one host, or every host of a slice
-    return "TPU"
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="local" if args.dry_run else args.tpu)
+    if args.dry_run:  # all but the TPU itself: 8 CPU devices stand in for its cores
+        cluster = tfmp.initialize(cluster_resolver=resolver, device_type="CPU", num_local_devices=8)
+    else:
+        if args.tpu != "local":  # a TPU reached over the network
+            tf.config.experimental_connect_to_cluster(resolver)
+        cluster = tfmp.initialize(cluster_resolver=resolver)  # this host, or every host of the slice
+    print(f"cluster: {cluster}")
+    return cluster.device_type
 
 
 def build_lm(args: argparse.Namespace):

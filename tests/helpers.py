@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import re
 
 import keras
@@ -274,3 +277,44 @@ def table_row(text: str, start: str) -> list[str]:
     two spaces or more."""
     row = next(line.strip() for line in text.splitlines() if line.strip().startswith(start))
     return re.split(r"\s{2,}", row)
+
+
+def assert_trained_like_one_process(out_dir, input_mode: str = "global") -> None:
+    """What tests/programs/train_mlp.py wrote in `out_dir` from several
+    clients equals one process training the same MLP: losses, history,
+    weights, the saved model and its backup."""
+    x, y = mlp_data(64)
+    device_mesh = mesh((2, 4))
+    same = np.testing.assert_array_equal
+    if input_mode == "per_client":
+        # The clients interleave along a 4x2 mesh's batch axis: positions 0..3
+        # hold client 0's first 4 rows, client 1's first 4, client 0's next 4, ...
+        device_mesh = mesh((4, 2))
+        order = np.concatenate([np.arange(0, 4), np.arange(8, 12), np.arange(4, 8), np.arange(12, 16)])
+        x, y = (a.reshape(-1, 16, a.shape[-1])[:, order].reshape(a.shape) for a in (x, y))
+        # Two clients' all-reduce of the 4x2 layout adds in another order than one process'.
+        same = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
+    model = build_on(tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh)), "mlp", initial_weights(build_mlp))
+    losses, history = train(model, x, y)
+    with open(os.path.join(out_dir, "result.json")) as result:
+        got = json.load(result)
+    same(got["losses"], losses)
+    for key, values in history.history.items():
+        same(got["history"][key], values)
+    saved = np.load(os.path.join(out_dir, "weights.npz"))
+    for i, weight in enumerate(model.get_weights()):
+        same(saved[f"arr_{i}"], weight)
+    # One file and its checksum, and one committed backup, written whole by
+    # client 0 from the values both clients gathered.
+    assert sorted(os.listdir(out_dir)) == ["backup", "model.keras", "model.keras.sha256", "result.json", "weights.npz"]
+    backup = os.path.join(out_dir, "backup", "ckpt-1")
+    assert sorted(os.listdir(backup)) == [
+        "commit", "latest.weights.h5", "latest.weights.h5.sha256", "training_metadata.json",
+    ]
+    restored = build_on(None, "mlp", initial_weights(build_mlp))
+    restored.load_weights(os.path.join(backup, "latest.weights.h5"))
+    for want, got_weight in zip(model.get_weights(), restored.get_weights()):
+        same(got_weight, want)
+    loaded = keras.models.load_model(os.path.join(out_dir, "model.keras"))
+    for want, got_weight in zip(model.get_weights(), loaded.get_weights()):
+        same(got_weight, want)

@@ -18,6 +18,7 @@ LAYERS = (
     (
         "tfmp._env",
         "tfmp.devices",
+        "tfmp.cluster_sources",
         "tfmp.distributed",
         "tfmp.mesh",
         "tfmp.layout",

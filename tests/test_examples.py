@@ -23,6 +23,7 @@ def test_tpu_script_runs_with_dry_run(tmp_path):
         "tpu_train.py", "--dry-run", "--epochs", "2", "--steps", "4", "--seq", "16",
         "--width", "64", "--vocab", "128", "--checkpoint-dir", str(tmp_path),
     )
+    assert "source='cluster_resolver=TPUClusterResolver, one host'" in out
     assert "mesh: DeviceMesh(batch=2, model=4; 8 x CPU)" in out
     losses = [float(line.split("loss: ")[1].split()[0]) for line in out.splitlines() if " loss: " in line]
     assert len(losses) == 2 and losses[1] < losses[0]

@@ -1,6 +1,5 @@
 """Several DTensor clients on loopback, against one process; bad settings."""
 
-import functools
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 
 import tfmp
 from tfmp.launch import client_environments
-from helpers import build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map, train
+from helpers import assert_trained_like_one_process, build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map, train
 
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
 
@@ -32,43 +31,9 @@ def test_two_clients_train_like_one_process(tmp_path, input_mode):
     assert finished.returncode == 0, finished.stdout[-3000:]
     assert "[client 1] client 1 of 2: local devices" in finished.stdout
     assert "task:1/device:CPU:3" in finished.stdout
-    x, y = mlp_data(64)
-    device_mesh = mesh((2, 4))
-    same = np.testing.assert_array_equal
     if input_mode == "per_client":
         assert "[client 1] client 1 read 32 rows" in finished.stdout
-        # The clients interleave along a 4x2 mesh's batch axis: positions 0..3
-        # hold client 0's first 4 rows, client 1's first 4, client 0's next 4, ...
-        device_mesh = mesh((4, 2))
-        order = np.concatenate([np.arange(0, 4), np.arange(8, 12), np.arange(4, 8), np.arange(12, 16)])
-        x, y = (a.reshape(-1, 16, a.shape[-1])[:, order].reshape(a.shape) for a in (x, y))
-        # Two clients' all-reduce of the 4x2 layout adds in another order than one process'.
-        same = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
-    model = build_on(tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh)), "mlp", initial_weights(build_mlp))
-    losses, history = train(model, x, y)
-    with open(tmp_path / "result.json") as result:
-        got = json.load(result)
-    same(got["losses"], losses)
-    for key, values in history.history.items():
-        same(got["history"][key], values)
-    saved = np.load(tmp_path / "weights.npz")
-    for i, weight in enumerate(model.get_weights()):
-        same(saved[f"arr_{i}"], weight)
-    # One file and its checksum, and one committed backup, written whole by
-    # client 0 from the values both clients gathered.
-    assert sorted(os.listdir(tmp_path)) == ["backup", "model.keras", "model.keras.sha256", "result.json", "weights.npz"]
-    assert sorted(os.listdir(tmp_path / "backup" / "ckpt-1")) == [
-        "commit", "latest.weights.h5", "latest.weights.h5.sha256", "training_metadata.json",
-    ]
-    restored = build_on(None, "mlp", initial_weights(build_mlp))
-    restored.load_weights(tmp_path / "backup" / "ckpt-1" / "latest.weights.h5")
-    for want, got_weight in zip(model.get_weights(), restored.get_weights()):
-        same(got_weight, want)
-    import keras
-
-    loaded = keras.models.load_model(tmp_path / "model.keras")
-    for want, got_weight in zip(model.get_weights(), loaded.get_weights()):
-        same(got_weight, want)
+    assert_trained_like_one_process(tmp_path, input_mode)
 
 
 def start_client(env_extra, timeout_s):
@@ -109,6 +74,7 @@ def test_bad_settings_are_errors_before_anything_starts(monkeypatch):
     with pytest.raises(ValueError, match=r"client_id=-1 \(from DTENSOR_JOBS / DTENSOR_CLIENT_ID\)"):
         tfmp.initialize()
     monkeypatch.delenv("DTENSOR_JOBS")
+    monkeypatch.delenv("DTENSOR_CLIENT_ID")  # a leftover one would contradict TF_CONFIG (tests/test_clusters.py)
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief"}}')
     with pytest.raises(ValueError, match="TF_CONFIG=.* is not a cluster"):
         tfmp.initialize()

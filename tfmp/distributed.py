@@ -4,24 +4,25 @@ Each process (a client, usually one per host) owns its local devices; a mesh
 spans the devices of all clients, and DTensor's collectives run between them
 over gRPC, TensorFlow's own multi-client runtime (the one TPU pods and
 multi-host GPU jobs use). tfmp adds what the stock initialization lacks:
-settings read from the environment or `TF_CONFIG` and checked, waits bounded
-by a timeout instead of hanging on a peer that never comes, and a check that
-every client has as many devices.
+settings read from the cluster manager (`tfmp.cluster_sources`) and checked,
+waits bounded by a timeout instead of hanging on a peer that never comes, and
+a check that every client has as many devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import tensorflow as tf
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
+from tfmp import cluster_sources
 from tfmp import devices as devices_lib
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,8 @@ class Cluster:
             None: 300 s, or 20 times the slowest step seen if that is longer.
         first_step_timeout_s: The same for the first step of each of those
             calls, which traces and compiles the step.
+        source: Where the settings came from: "the arguments", a cluster
+            resolver, "TF_CONFIG", "SLURM", ...
     """
 
     jobs: tuple[str, ...]
@@ -51,6 +54,7 @@ class Cluster:
     timeout_s: float = dataclasses.field(default=120.0, compare=False)
     step_timeout_s: float | None = None
     first_step_timeout_s: float = 900.0
+    source: str = dataclasses.field(default="the arguments", compare=False)
 
     @property
     def num_clients(self) -> int:
@@ -74,14 +78,23 @@ def initialize(
     job_name: str = "worker",
     step_timeout_s: float | None = None,
     first_step_timeout_s: float | None = None,
+    cluster_resolver: Any = None,
 ) -> Cluster:
     """Joins this process to a multi-client run; call it first in the program.
 
-    Settings come from the arguments, else from DTensor's variables
-    (`DTENSOR_JOBS`, `DTENSOR_CLIENT_ID`, `DTENSOR_JOB_NAME`), else from a
-    standard `TF_CONFIG` (its `"worker"` tasks and this task's index). With
-    none of them, the run has one client and nothing is set up. Calling it
-    again with the same settings returns the same cluster.
+    Settings come from the arguments (`jobs`, or a `cluster_resolver` as
+    `tf.distribute` strategies take), else from the cluster this process
+    runs in, first found of: DTensor's variables (`DTENSOR_JOBS`,
+    `DTENSOR_CLIENT_ID`, `DTENSOR_JOB_NAME`; `tfmp launch` sets them), a
+    `TF_CONFIG` (Kubeflow's TFJob sets it), a SLURM job step (`srun`), a
+    multi-host Cloud TPU slice (`TPU_WORKER_HOSTNAMES`, `TPU_WORKER_ID`),
+    read through TensorFlow's `TFConfigClusterResolver`,
+    `SlurmClusterResolver` and `TPUClusterResolver`. Other sources in the
+    environment that describe another run are an error. With none of them,
+    the run has one client and nothing is set up. A run of several clients
+    prints which source it used, the client id, the number of clients and
+    local devices. Calling it again with the same settings returns the same
+    cluster.
 
     Afterwards `tfmp.DeviceMesh` spans the devices of every client (client 0's
     first), each client feeds only its own devices' part of every batch, and
@@ -93,7 +106,8 @@ def initialize(
             in every client.
         client_id: This client's index into `jobs`.
         device_type: The accelerator type: `"CPU"`, `"GPU"` or `"TPU"`; None
-            reads `TFMP_DEVICE_TYPE` (set by `tfmp launch`), else `"CPU"`.
+            reads `TFMP_DEVICE_TYPE` (set by `tfmp launch`), else the
+            cluster's (`"TPU"` on a Cloud TPU), else `"CPU"`.
         num_local_devices: For `"CPU"`, how many logical CPU devices to split
             this host into (as `tfmp.simulate_devices`); the same in every
             client. None reads `TFMP_NUM_LOCAL_DEVICES` (set by `tfmp launch`),
@@ -110,13 +124,21 @@ def initialize(
         first_step_timeout_s: The same for the first step of each `fit`,
             `evaluate` and `predict`, which traces and compiles the step.
             None reads `TFMP_FIRST_STEP_TIMEOUT`, else takes 900 s.
+        cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver`
+            (`TFConfigClusterResolver`, `SlurmClusterResolver`,
+            `SimpleClusterResolver`, ...) whose chief and worker tasks are
+            the clients, chief first; this client is its task. A
+            `TPUClusterResolver` means TPU devices, and the hosts of the
+            slice (`TPU_WORKER_HOSTNAMES`) as clients. Not with `jobs`.
 
     Returns:
         The `Cluster`.
 
     Raises:
         ValueError: For inconsistent settings: a client id out of range, a
-            repeated address, clients with different numbers of devices.
+            repeated address, clients with different numbers of devices, two
+            sources in the environment that describe different runs.
+        TypeError: If `cluster_resolver` is not a cluster resolver.
         TimeoutError: If some client did not join within `timeout_s`. The
             process cannot use TensorFlow afterwards and should exit.
         RuntimeError: If called again with other settings, or after
@@ -127,14 +149,16 @@ def initialize(
         >>> # Skipped when run: it waits for a second host at 10.0.0.2.
         >>> cluster = tfmp.initialize(  # doctest: +SKIP
         ...     jobs=["10.0.0.1:9876", "10.0.0.2:9876"], client_id=0, num_local_devices=4)
+        >>> # In each task of `srun --nodes 2 --ntasks-per-node 1 python train.py`:
+        >>> cluster = tfmp.initialize()  # doctest: +SKIP
         >>> mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
     """
     global _cluster
     if num_local_devices is None and os.environ.get("TFMP_NUM_LOCAL_DEVICES"):
         num_local_devices = int(os.environ["TFMP_NUM_LOCAL_DEVICES"])  # set by `tfmp launch`
-    device_type = device_type or os.environ.get("TFMP_DEVICE_TYPE", "CPU")
+    device_type = device_type or os.environ.get("TFMP_DEVICE_TYPE")
     cluster = dataclasses.replace(
-        _resolve(jobs, client_id, device_type, num_local_devices, job_name),
+        _resolve(jobs, client_id, cluster_resolver, device_type, num_local_devices, job_name),
         timeout_s=timeout_s,
         **_step_timeouts(step_timeout_s, first_step_timeout_s),
     )
@@ -190,6 +214,12 @@ def initialize(
     except ValueError:
         _cluster = None
         raise
+    print(
+        f"tfmp.initialize: client {_cluster.client_id} of {_cluster.num_clients} from "
+        f"{_cluster.source}, {_cluster.local_devices} local {_cluster.device_type} devices",
+        file=sys.stderr,
+        flush=True,
+    )
     return _cluster
 
 
@@ -201,21 +231,15 @@ def cluster() -> Cluster | None:
 def _resolve(
     jobs: Sequence[str] | None,
     client_id: int | None,
-    device_type: str,
+    cluster_resolver: Any,
+    device_type: str | None,
     num_local_devices: int | None,
     job_name: str,
 ) -> Cluster:
-    source = "the arguments"
-    if jobs is None and os.environ.get("DTENSOR_JOBS"):
-        source = "DTENSOR_JOBS / DTENSOR_CLIENT_ID"
-        jobs = os.environ["DTENSOR_JOBS"].split(",")
-        client_id = int(os.environ.get("DTENSOR_CLIENT_ID", "0")) if client_id is None else client_id
+    found = cluster_sources.find_cluster(jobs, client_id, cluster_resolver, (device_type or "CPU").upper())
+    jobs, client_id, source = found.jobs, found.client_id, found.source
+    if found.source.startswith("DTENSOR_JOBS"):
         job_name = os.environ.get("DTENSOR_JOB_NAME", job_name)
-    elif jobs is None and os.environ.get("TF_CONFIG"):
-        source = "TF_CONFIG"
-        jobs, client_id, job_name = _from_tf_config(os.environ["TF_CONFIG"], client_id, job_name)
-    jobs = tuple(jobs or ("localhost:0",))
-    client_id = 0 if client_id is None else client_id
     if not isinstance(client_id, int) or not 0 <= client_id < len(jobs):
         raise ValueError(
             f"client_id={client_id!r} (from {source}) is out of range for {len(jobs)} "
@@ -228,12 +252,12 @@ def _resolve(
         host, _, port = job.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"jobs entry {job!r} (from {source}) is not host:port, such as '10.0.0.1:9876'.")
-    device_type = device_type.upper()
+    device_type = (device_type or found.device_type or "CPU").upper()
     if device_type not in ("CPU", "GPU", "TPU"):
         raise ValueError(f"device_type={device_type!r}: use 'CPU', 'GPU' or 'TPU'.")
     if num_local_devices is not None and (not isinstance(num_local_devices, int) or num_local_devices < 1):
         raise ValueError(f"num_local_devices={num_local_devices!r}: use a positive integer or None.")
-    return Cluster(jobs, client_id, job_name, device_type, num_local_devices or 0)
+    return Cluster(jobs, client_id, job_name, device_type, num_local_devices or 0, source=source)
 
 
 def _step_timeouts(step_timeout_s: float | None, first_step_timeout_s: float | None) -> dict[str, float | None]:
@@ -256,22 +280,6 @@ def _step_timeouts(step_timeout_s: float | None, first_step_timeout_s: float | N
             raise ValueError(f"{source}={value!r}: use a number of seconds above 0 (or leave it unset).")
         settings[name] = float(value)
     return settings
-
-
-def _from_tf_config(text: str, client_id: int | None, job_name: str) -> tuple[list[str], int, str]:
-    try:
-        config = json.loads(text)
-        task = config.get("task", {})
-        job_name = task.get("type", job_name)
-        jobs = config["cluster"][job_name]
-        index = task.get("index", 0) if client_id is None else client_id
-    except (ValueError, KeyError, AttributeError) as error:
-        raise ValueError(
-            f"TF_CONFIG={text!r} is not a cluster such as "
-            '{"cluster": {"worker": ["host0:port", "host1:port"]}, '
-            '"task": {"type": "worker", "index": 0}}.'
-        ) from error
-    return list(jobs), index, job_name
 
 
 def _configure_coordination(cluster: Cluster, timeout_s: float) -> None:

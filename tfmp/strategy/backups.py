@@ -146,12 +146,16 @@ def armed_for_preemption(on_train_begin: Callable) -> Callable:
 
 
 def disarmed(on_train_end: Callable) -> Callable:
-    """`BackupAndRestore.on_train_end`: the SIGTERM handler goes."""
+    """`BackupAndRestore.on_train_end`: the SIGTERM handler goes, and only
+    client 0, which wrote the backups, deletes them: clients sharing the
+    directory would otherwise remove the same files at once and fail."""
 
     @functools.wraps(on_train_end)
     def wrapper(self, logs=None):
         notice.disarm()
         epoch_iterator.skip_in_next_epoch(0)
+        if not _is_chief():
+            return None
         return on_train_end(self, logs)
 
     return wrapper
