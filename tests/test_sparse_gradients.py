@@ -182,7 +182,8 @@ TABLE_RULES = {
 }
 
 # Every Keras optimizer whose sparse update trains a split table. Adadelta,
-# Adafactor and RMSprop with momentum are the known limits (docs/guide.md).
+# Adafactor and RMSprop with momentum are the known limits (docs/guide.md),
+# refused by name (`SPLIT_TABLE_LIMITS`).
 # Centered RMSprop is left out: with repeated ids its denominator goes
 # negative, and Keras' sparse division then fails on one device too.
 OPTIMIZERS = {
@@ -231,3 +232,24 @@ def test_every_optimizer_trains_split_tables_as_one_device(three_tables_weights,
     np.testing.assert_allclose(mesh_losses, losses, rtol=1e-5, atol=1e-6)
     for mesh_weight, weight in zip(got, want, strict=True):
         np.testing.assert_allclose(mesh_weight, weight, rtol=1e-5, atol=1e-5)
+
+
+SPLIT_TABLE_LIMITS = {
+    "adadelta": (lambda: keras.optimizers.Adadelta(1.0), "Adadelta"),
+    "momentum-rmsprop": (lambda: keras.optimizers.RMSprop(0.01, momentum=0.9), "RMSprop with momentum"),
+    "adafactor": (lambda: keras.optimizers.Adafactor(0.01), "Adafactor"),
+}
+
+
+@pytest.mark.parametrize("optimizer", SPLIT_TABLE_LIMITS)
+def test_optimizers_that_cannot_update_a_split_table_are_named(three_tables_weights, optimizer):
+    make_optimizer, named = SPLIT_TABLE_LIMITS[optimizer]
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, rules(TABLE_RULES)(device_mesh))
+    # Adafactor trains the table split over its rows; the others none.
+    split = ["by_features", "by_both_axes"] if optimizer == "adafactor" else list(TABLE_RULES)
+    with pytest.raises(ValueError, match=rf"tfmp: {named} cannot update the split embedding table") as raised:
+        fit_three_tables(three_tables_weights, make_optimizer, strategy)
+    message = str(raised.value)
+    assert [table for table in TABLE_RULES if f"{table}/embeddings" in message] == split, message
+    assert "leave them replicated" in message

@@ -402,7 +402,7 @@ def explicit_layout(keras_variable: Any) -> tuple[str, Axes] | None:
     if layout is None:
         return None
     if isinstance(layout, dtensor.Layout):
-        layout = tuple(None if spec == dtensor.UNSHARDED else spec for spec in layout.sharding_specs)
+        layout = layout_axes(layout)
     return f"keras.Variable({keras_variable.path!r}, layout=...)", _as_axes(layout)
 
 
