@@ -12,6 +12,7 @@ from keras.src.utils.io_utils import print_msg
 from tensorflow.experimental import dtensor
 
 from tfmp.devices import is_simulated
+from tfmp.strategy.callback_lists import with_callback
 
 
 class FirstStepNote(keras.callbacks.Callback):
@@ -44,9 +45,4 @@ def with_first_step_note(callbacks: Any, model: Any, mesh: dtensor.Mesh, verbose
     traced; else as they are."""
     if verbose == 0 or getattr(model, "train_function", None) is not None:
         return callbacks
-    note = FirstStepNote(mesh)
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks.callbacks.insert(0, note)
-        callbacks._configure_async_dispatch(callbacks.callbacks)  # noqa: SLF001
-        return callbacks
-    return [note, *(callbacks or [])]
+    return with_callback(callbacks, lambda: FirstStepNote(mesh), FirstStepNote, first=True)

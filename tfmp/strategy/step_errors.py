@@ -18,6 +18,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from tfmp.strategy.callback_lists import with_callback
+
 
 class StepErrors(keras.callbacks.Callback):
     """Reads each step's logs, raising the error of a step that failed."""
@@ -37,11 +39,7 @@ def _read(logs: dict | None) -> None:
 
 def with_step_errors(callbacks: Any) -> Any:
     """`callbacks` (None, a list or a `CallbackList`) with a `StepErrors`."""
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        if not any(isinstance(callback, StepErrors) for callback in callbacks.callbacks):
-            callbacks.callbacks.append(StepErrors())
-            callbacks._configure_async_dispatch(callbacks.callbacks)  # noqa: SLF001
-        return callbacks
+    return with_callback(callbacks, StepErrors, StepErrors)
     callbacks = list(callbacks or [])
     if not any(isinstance(callback, StepErrors) for callback in callbacks):
         callbacks.append(StepErrors())

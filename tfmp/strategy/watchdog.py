@@ -43,6 +43,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfmp import distributed
+from tfmp.strategy.callback_lists import with_callback
 from tfmp.strategy.peer_errors import VERDICT_MARKER, explain_peer_failure
 
 _PROGRESS_KEY = "tfmp/watchdog/progress/{}"
@@ -458,12 +459,4 @@ def with_step_watch(callbacks: Any) -> Any:
     watchdog = _this_clients_watchdog()
     if watchdog is None:
         return callbacks
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        if not any(isinstance(callback, _StepWatch) for callback in callbacks.callbacks):
-            callbacks.callbacks.append(_StepWatch(watchdog))
-            callbacks._configure_async_dispatch(callbacks.callbacks)  # noqa: SLF001
-        return callbacks
-    callbacks = list(callbacks or [])
-    if not any(isinstance(callback, _StepWatch) for callback in callbacks):
-        callbacks.append(_StepWatch(watchdog))
-    return callbacks
+    return with_callback(callbacks, lambda: _StepWatch(watchdog), _StepWatch)
