@@ -18,7 +18,7 @@ import tfmp
 from tfmp import distributed
 from tfmp.launch import client_environments
 from tfmp.strategy import keras_hooks, peer_errors
-from tfmp.strategy.watchdog import clients_behind, step_bound_s, stuck_verdict
+from tfmp.strategy.watchdog import _Watchdog, clients_behind, step_bound_s, stuck_verdict
 from helpers import build_mlp, build_on, initial_weights, mesh, mlp_layout_map
 
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "stuck_client.py")
@@ -189,6 +189,27 @@ def test_steps_are_bound_by_the_settings_or_the_slowest_step_seen():
     chosen = distributed.Cluster(("a:1", "b:2"), 0, "worker", "CPU", 4, step_timeout_s=8.0, first_step_timeout_s=60.0)
     assert step_bound_s(False, 30.0, chosen) == 8
     assert step_bound_s(True, 30.0, chosen) == 60
+
+
+def test_a_custom_loop_step_is_a_function_call_and_its_first_call_traces():
+    """Outside Keras' calls each tf.function call on the main thread is a
+    step, named by the program's line; a function's first call gets the
+    first step's bound. (The watchdog thread waits: nothing is published.)"""
+    cluster = distributed.Cluster(("a:1", "b:2"), 0, "worker", "CPU", 4, step_timeout_s=8.0, first_step_timeout_s=60.0)
+    watchdog = _Watchdog(cluster)
+    try:
+        assert not watchdog.function_call_began(b"__inference_train_step_42")  # not watching yet
+        watchdog._watches_function_calls = True  # as watch_function_calls, without waking the thread
+        assert watchdog.function_call_began(b"__inference_train_step_42")
+        assert watchdog.progress.label.startswith("the call of train_step at test_stuck_clients.py:")
+        assert watchdog.bound_s() == 60
+        watchdog.step_finished()
+        assert watchdog.function_call_began(b"__inference_train_step_57")  # the same function retraced
+        assert watchdog.bound_s() == 8
+        watchdog.step_finished()
+        assert (watchdog.progress.entered, watchdog.progress.finished) == (2, 2)
+    finally:
+        watchdog.stop()
 
 
 def test_bad_step_timeouts_are_errors_before_anything_starts(monkeypatch):
