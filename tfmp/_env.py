@@ -134,5 +134,3 @@ def started_as_command() -> bool:
     if sys.argv[:1] != ["-m"] or "-m" not in command:
         return False
     return command[command.index("-m") + 1 :][:1] == ["tfmp"]
-    for op in REPLICATED_OPS:
-        os.environ.setdefault(REPLICATED_BY_DEFAULT + op.upper(), "1")
