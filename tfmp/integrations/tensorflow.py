@@ -26,6 +26,16 @@ PATCHES = (
         kind="gradient",
     ),
     Patch(
+        "tensorflow.python.ops.gen_math_ops",
+        "unsorted_segment_sum",
+        "tfmp.strategy.sparse_division:whole_rows_segment_sum",
+        "Adadelta, RMSprop with momentum and Adafactor sum the rows of Keras' "
+        "sparse division (a number known only at run time) into a split "
+        "table-sized tensor, whose split DTensor pushes back onto those rows "
+        "and cannot cut: the first step stops.",
+        parameters=("data", "segment_ids", "num_segments", "name"),
+    ),
+    Patch(
         "tensorflow.python.framework.func_graph:FuncGraph",
         "capture",
         "tfmp.strategy.keras_hooks:mesh_captures",

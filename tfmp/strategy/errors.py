@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
-import keras
 import tensorflow as tf
 from tensorflow.python.eager import context
 
@@ -40,46 +39,6 @@ def is_dtensor_error(error: BaseException) -> bool:
     """Whether `error` comes from DTensor's expansion of a step."""
     return isinstance(error, tf.errors.OpError) and any(
         marker in str(error) for marker in _DTENSOR_MARKERS
-    )
-
-
-def split_table_limit(error: tf.errors.OpError, model: Any) -> ValueError | None:
-    """The error of a step whose optimizer cannot update the model's split
-    embedding table from its sparse gradient, named as that; else None.
-
-    Adadelta and RMSprop with momentum add rows of a division (a number
-    known only at run time) into a slot split like the table, and Adafactor
-    sums them per feature into a factored slot: DTensor cannot lay these
-    out ("EmitAllScatter requires slice on input axis 0 which is dynamic",
-    or an `UnsortedSegmentSum` shape error). Every such step fails, so the
-    pairing alone names the cause."""
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, keras.optimizers.Adafactor):
-        limited_dims = (1,)  # a table split over its rows trains
-    elif isinstance(optimizer, keras.optimizers.Adadelta) or (
-        isinstance(optimizer, keras.optimizers.RMSprop) and optimizer.momentum
-    ):
-        limited_dims = (0, 1)
-    else:
-        return None
-    tables = []
-    for layer in model._flatten_layers():  # noqa: SLF001
-        table = getattr(getattr(layer, "embeddings", None), "value", None)
-        if isinstance(layer, keras.layers.Embedding) and hasattr(table, "layout"):
-            axes = layout_axes(table.layout)
-            if any(axes[dim] is not None for dim in limited_dims):
-                tables.append(f"{layer.embeddings.path} {axes}")
-    if not tables:
-        return None
-    kind = type(optimizer).__name__ + (" with momentum" if isinstance(optimizer, keras.optimizers.RMSprop) else "")
-    said = str(error).strip().splitlines()[0]
-    return ValueError(
-        f"tfmp: {kind} cannot update the split embedding table(s) {tables} of model "
-        f"{model.name!r} from their sparse gradient on the mesh (its slots take a number of "
-        "rows known only at run time, which DTensor cannot lay out). Fix: train these "
-        "tables with SGD, Adam, AdamW, Adagrad, RMSprop without momentum or another "
-        "optimizer tfmp's guide lists, or leave them replicated (a rule of (None, None)); "
-        f"TensorFlow said: {said}"
     )
 
 

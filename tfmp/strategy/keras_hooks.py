@@ -167,9 +167,6 @@ def explained_errors(model: Any) -> Iterator[None]:
             if cluster is None or cluster.num_clients == 1:
                 raise
             raise peer_errors.explain_peer_failure(error) from error
-        limit = errors.split_table_limit(error, model)
-        if limit is not None:
-            raise limit from error
         if not errors.is_dtensor_error(error):
             raise
         raise errors.explain(error, model) from None

@@ -1,4 +1,5 @@
-"""Keras' division of a sparse gradient by an optimizer slot, on a mesh.
+"""Keras' division of a sparse gradient by an optimizer slot, and what an
+optimizer sums of its rows, on a mesh.
 
 RMSprop and Adagrad divide an embedding's `tf.IndexedSlices` gradient by a
 table-sized slot: `lr * g / sqrt(v + eps)`. Keras' sparse
@@ -15,12 +16,25 @@ ids and the divisor replicated, and its result pinned replicated, so every
 device takes the branch one device takes and computes its rows as one device
 does; the update then applies them to its own part of the table.
 
-Cost: the divisor (as large as the table) is gathered onto every device once
-per step and update, and each device holds it whole while dividing.
+The quotient has a number of rows known only at run time (the branch that
+adds rows). Adadelta, RMSprop with momentum and Adafactor sum such rows by
+id into a table-sized tensor (`UnsortedSegmentSum`: Keras making the rows
+dense to add them to a slot, or the update's scatter), and DTensor pushes the
+table's split back onto the rows, which it cannot cut: split over the
+vocabulary, "EmitAllScatter requires slice on input axis 0 which is
+dynamic"; split over the features, its `Slice` takes 0 rows (measured:
+`size = [0, 2]` for a `?x8` tensor), and the sum then fails with
+"data.shape = [0,2] does not start with segment_ids.shape = [64]". So during
+a sparse update a sum of rows of unknown number also runs on whole operands,
+and its table-sized result, of known shape, is pinned replicated: DTensor
+then cuts the table, not the rows. The quotient keeps the dividend's
+`dense_shape` (both branches have it), so that the sum has a known number of
+rows too.
 
-Adadelta and RMSprop with momentum then add the rows of the division (a
-number known only at run time) into a split slot, which DTensor cannot lay
-out: a known limit (docs/guide.md).
+Cost: the divisor (as large as the table) is gathered onto every device once
+per step and update, and each device holds it whole while dividing; each sum
+of rows of unknown number is computed whole on every device, in a
+table-sized tensor.
 """
 
 from __future__ import annotations
@@ -55,6 +69,12 @@ def _sparse_update_mesh() -> dtensor.Mesh | None:
     return getattr(_update, "mesh", None)
 
 
+def _whole(value: tf.Tensor, mesh: dtensor.Mesh) -> tf.Tensor:
+    return dtensor.relayout(
+        replicated(value, mesh), dtensor.Layout.replicated(mesh, value.shape.rank)
+    )
+
+
 def whole_sparse_division(divide: Callable) -> Callable:
     """Keras' `divide`, on whole operands for a sparse dividend and a dense
     divisor during a sparse update on a mesh."""
@@ -64,20 +84,30 @@ def whole_sparse_division(divide: Callable) -> Callable:
         mesh = _sparse_update_mesh()
         if mesh is None or not isinstance(x1, tf.IndexedSlices) or not _is_dense(x2):
             return divide(x1, x2)
-
-        def whole(value: tf.Tensor) -> tf.Tensor:
-            return dtensor.relayout(
-                replicated(value, mesh), dtensor.Layout.replicated(mesh, value.shape.rank)
-            )
-
         quotient = divide(
-            tf.IndexedSlices(whole(x1.values), whole(x1.indices), x1.dense_shape), whole(x2)
+            tf.IndexedSlices(_whole(x1.values, mesh), _whole(x1.indices, mesh), x1.dense_shape),
+            _whole(x2, mesh),
         )
         if isinstance(quotient, tf.IndexedSlices):
             return tf.IndexedSlices(
-                whole(quotient.values), whole(quotient.indices), quotient.dense_shape
+                _whole(quotient.values, mesh), _whole(quotient.indices, mesh), x1.dense_shape
             )
-        return whole(quotient)
+        return _whole(quotient, mesh)
+
+    return wrapper
+
+
+def whole_rows_segment_sum(segment_sum: Callable) -> Callable:
+    """TensorFlow's `unsorted_segment_sum`, on whole operands for rows of
+    unknown number during a sparse update on a mesh."""
+
+    @functools.wraps(segment_sum)
+    def wrapper(data: Any, segment_ids: Any, num_segments: Any, name: str | None = None) -> Any:
+        mesh = _sparse_update_mesh()
+        if mesh is None or not _has_unknown_rows(data):
+            return segment_sum(data, segment_ids, num_segments, name=name)
+        total = segment_sum(_whole(data, mesh), _whole(segment_ids, mesh), num_segments, name=name)
+        return _whole(total, mesh)
 
     return wrapper
 
@@ -85,3 +115,7 @@ def whole_sparse_division(divide: Callable) -> Callable:
 def _is_dense(value: Any) -> bool:
     """A tensor with dimensions: Keras divides by a scalar without a branch."""
     return isinstance(value, tf.Tensor) and bool(value.shape.rank)
+
+
+def _has_unknown_rows(value: Any) -> bool:
+    return isinstance(value, tf.Tensor) and bool(value.shape.rank) and value.shape[0] is None

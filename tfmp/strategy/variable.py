@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
+from tensorflow.python.ops import gen_math_ops
 
 from tfmp.forward import GATHER_SCOPE, forward_mesh
 from tfmp.layout import replicated
@@ -133,4 +134,7 @@ def dense_rows(sparse: tf.IndexedSlices, rows: int, dtype: tf.DType | None = Non
     can be a shard's.
     """
     values = sparse.values if dtype is None else tf.cast(sparse.values, dtype)
-    return tf.math.unsorted_segment_sum(values, sparse.indices, rows)
+    # Looked up as it is called, like TensorFlow's own densifying of an
+    # IndexedSlices: during a sparse update tfmp sums rows of unknown number
+    # whole (`tfmp.strategy.sparse_division.whole_rows_segment_sum`).
+    return gen_math_ops.unsorted_segment_sum(values, sparse.indices, rows)
