@@ -181,10 +181,11 @@ TABLE_RULES = {
     "by_both_axes": ("model", "batch"),
 }
 
-# Every Keras optimizer with a sparse update (centered RMSprop aside: with
+# Every Keras optimizer, and LossScaleOptimizer around one whose update
+# divides and sums rows of unknown number. Left out: centered RMSprop (with
 # repeated ids its denominator goes negative, and Keras' sparse division then
-# fails on one device too), and LossScaleOptimizer around one whose update
-# divides and sums rows of unknown number.
+# fails on one device too) and ScheduleFreeAdamW (on the mesh it trains apart
+# from one device on a model without tables too: another matter).
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.05),
     "nesterov-sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
