@@ -32,7 +32,12 @@ LAYERS = (
     ("tfmp.pipeline.*",),
     ("tfmp.inspect.*", "tfmp.callbacks.*"),
     # Facades: re-exports and entry points, above everything they gather.
-    ("tfmp", "tfmp._api", "tfmp.layers", "tfmp.callbacks", "tfmp.cli", "tfmp.demo", "tfmp.launch", "tfmp.__main__"),
+    (
+        "tfmp", "tfmp._api", "tfmp.layers", "tfmp.callbacks", "tfmp.cli", "tfmp.demo",
+        "tfmp.launch", "tfmp.__main__",
+        # Lists the integrations' patches and the lowerings, and writes the docs' tables.
+        "tfmp.integrations.table",
+    ),
 )
 
 
