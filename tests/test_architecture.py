@@ -22,6 +22,7 @@ LAYERS = (
         "tfmp.distributed",
         "tfmp.mesh",
         "tfmp.layout",
+        "tfmp.layout_decision",
         "tfmp.forward",
         "tfmp.integrations.*",
         "tfmp.auto_layout",
