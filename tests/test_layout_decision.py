@@ -291,3 +291,18 @@ def test_auto_keeps_a_keras_variable_layout_and_trains_like_one_device():
     for want, got in zip(reference.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_plans_nothing_for_the_weights_of_a_layer_that_declares_its_own():
+    """A tfmp layer's declaration is its layout: the plan gives its kernel no
+    storage split (which would win over the declaration under
+    layout_map="auto", and contradict it as a LayoutMap), and splits the
+    plain Dense after it for storage as it does any unpaired weight."""
+    model = keras.Sequential(
+        [keras.Input((16,)), tfmp.layers.RowParallelDense(64, name="row"), keras.layers.Dense(8, name="out")],
+        name="declaring",
+    )
+    plan = tfmp.auto_layout(model, mesh((2, 4)))
+    assert plan.match("declaring/row/kernel") is None
+    assert plan.reasons["declaring/row/kernel"] == "a tfmp layer: declares its own layouts"
+    assert plan.match("declaring/out/kernel")[1] == gather_on_use(("model", None))
