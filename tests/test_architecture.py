@@ -22,6 +22,7 @@ LAYERS = (
         "tfmp.distributed",
         "tfmp.mesh",
         "tfmp.layout",
+        "tfmp.layout_decision",
         "tfmp.forward",
         "tfmp.integrations.*",
         "tfmp.auto_layout",
@@ -32,7 +33,12 @@ LAYERS = (
     ("tfmp.pipeline.*",),
     ("tfmp.inspect.*", "tfmp.callbacks.*"),
     # Facades: re-exports and entry points, above everything they gather.
-    ("tfmp", "tfmp._api", "tfmp.layers", "tfmp.callbacks", "tfmp.cli", "tfmp.demo", "tfmp.launch", "tfmp.__main__"),
+    (
+        "tfmp", "tfmp._api", "tfmp.layers", "tfmp.callbacks", "tfmp.cli", "tfmp.demo",
+        "tfmp.launch", "tfmp.__main__",
+        # Lists the integrations' patches and the lowerings, and writes the docs' tables.
+        "tfmp.integrations.table",
+    ),
 )
 
 

@@ -19,7 +19,6 @@ from helpers import (
 )
 from tfmp.demo import megatron_layout_map
 from tfmp.inspect.summary import bytes_per_device, placements
-from tfmp.strategy.variable_layout import fully_sharded, resolve_layout
 
 
 def fit_both(name, strategy, epochs=1, predict=True):
@@ -197,58 +196,3 @@ def test_embedding_adam_sums_its_rows_without_reducing_the_table(shape, axes, fu
 def test_fully_shard_needs_a_batch_axis():
     with pytest.raises(ValueError, match="fully_shard=True shards weights over the batch axis"):
         tfmp.ModelParallelStrategy(mesh((8,), ("model",)), fully_shard=True)
-
-
-# resolve_layout: the one function that gives a new variable its layout ------
-
-
-@pytest.fixture(scope="module")
-def mesh_2x4():
-    return mesh((2, 4))
-
-
-def specs_of(layout):
-    return list(layout.sharding_specs)
-
-
-def test_resolve_layout_order(mesh_2x4):
-    rule = ("up/kernel", (None, "model"))
-    # No rule: replicated.
-    assert specs_of(resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4)) == ["unsharded"] * 2
-    # A rule.
-    assert specs_of(resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4, rule=rule)) == [
-        "unsharded", "model"
-    ]
-    # A layer's declaration wins; one that a rule contradicts is an error.
-    declared = ("up", ("model", None))
-    assert specs_of(
-        resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4, declared=declared)
-    ) == ["model", "unsharded"]
-    with pytest.raises(ValueError, match="declares the layout"):
-        resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4, declared=declared, rule=rule)
-    # An optimizer slot takes its variable's layout, whatever the rules say.
-    variable_layout = dtensor.Layout(["model", "batch"], mesh_2x4.dtensor_mesh)
-
-    class Colocated:
-        layout = variable_layout
-        shape = (16, 32)
-
-    assert resolve_layout("adam/m", (16, 32), tf.float32, mesh_2x4, colocated=Colocated(), rule=rule) == variable_layout
-
-
-def test_resolve_layout_fully_shards_floats_only(mesh_2x4):
-    rule = ("up/kernel", (None, "model"))
-    fully = resolve_layout("m/up/kernel", (16, 32), tf.float32, mesh_2x4, rule=rule, fully_shard_axis="batch")
-    assert specs_of(fully) == ["batch", "model"]
-    seed = resolve_layout("m/seed", (2,), tf.int64, mesh_2x4, fully_shard_axis="batch")
-    assert specs_of(seed) == ["unsharded"]
-    scalar = resolve_layout("m/count", (), tf.float32, mesh_2x4, fully_shard_axis="batch")
-    assert specs_of(scalar) == []
-
-
-def test_fully_sharded_picks_the_largest_whole_dimension_that_divides(mesh_2x4):
-    replicated = dtensor.Layout.replicated(mesh_2x4.dtensor_mesh, 3)
-    assert specs_of(fully_sharded(replicated, (3, 8, 4), "batch", "float32")) == ["unsharded", "batch", "unsharded"]
-    assert specs_of(fully_sharded(replicated, (3, 5, 7), "batch", "float32")) == ["unsharded"] * 3
-    uses_batch = dtensor.Layout(["batch", "unsharded", "unsharded"], mesh_2x4.dtensor_mesh)
-    assert fully_sharded(uses_batch, (4, 8, 4), "batch", "float32") == uses_batch

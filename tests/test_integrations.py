@@ -1,7 +1,11 @@
-"""Every patch tfmp declares still fits the installed Keras, tf_keras, Orbit
-and TensorFlow, and importing tfmp patches nothing."""
+"""Every patch and lowering tfmp declares still fits the installed Keras,
+tf_keras, Orbit and TensorFlow, importing tfmp patches nothing, and the docs'
+tables are the declarations'."""
 
+import ast
 import inspect
+import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -10,17 +14,14 @@ import warnings
 import pytest
 
 from tfmp import integrations
+from tfmp.integrations import table
 
-PATCHES = [
-    (library, patch)
-    for library in integrations.libraries()
-    for patch in (*library.PATCHES, *getattr(library, "ON_IMPORT", ()))
-]
+ENTRIES = table.entries()
+TESTS = pathlib.Path(__file__).resolve().parent
 
 
-def _id(case):
-    library, patch = case
-    return f"{library.MODULE}:{patch.target.split(':')[-1]}.{patch.attribute}"
+def _id(entry):
+    return f"{entry.patch.package}:{entry.patch.target.split(':')[-1]}.{entry.patch.attribute}"
 
 
 def _sets_attribute(cls, attribute):
@@ -37,12 +38,15 @@ def _sets_attribute(cls, attribute):
     return False
 
 
-@pytest.mark.parametrize("case", PATCHES, ids=map(_id, PATCHES))
-def test_every_patched_target_exists_with_the_parameters_its_wrapper_uses(case):
-    library, patch = case
-    __import__(library.MODULE)
+@pytest.mark.parametrize("entry", ENTRIES, ids=map(_id, ENTRIES))
+def test_every_patched_target_exists_with_the_parameters_its_wrapper_uses(entry):
+    patch = entry.patch
+    __import__(entry.library.MODULE)
     assert callable(patch.wrapper_function()), patch.wrapper
     owner = patch.owner()
+    if not patch.in_installed_library():
+        assert not hasattr(owner, patch.attribute), f"{patch.target}.{patch.attribute} exists before its `since`"
+        return
     if patch.kind == "addition":
         # Once the library defines it, tfmp's stand-in would hide its own.
         assert getattr(owner, patch.attribute, None) in (None, patch.wrapper_function()), (
@@ -108,3 +112,50 @@ def test_importing_tfmp_patches_only_keras_distribution_and_imports_no_optional_
     )
     finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert finished.returncode == 0, finished.stderr[-2000:]
+
+
+def test_each_library_module_declares_changes_of_its_own_library():
+    """The tested versions an entry is held to are its own library's."""
+    for entry in ENTRIES:
+        if entry.declared_in.startswith("tfmp.integrations."):
+            assert entry.declared_in == entry.library.__name__, (
+                f"{entry.patch.target}.{entry.patch.attribute} is declared in "
+                f"{entry.declared_in} but changes {entry.library.PACKAGE}: declare it in "
+                f"{entry.library.__name__}"
+            )
+    assert {entry.patch.kind for entry in ENTRIES} == {"class", "instance", "gradient", "addition", "lowering"}
+    assert any(entry.library.MODULE == "tensorflow" and entry.patch.kind == "lowering" for entry in ENTRIES)
+
+
+def test_every_canary_names_a_test_of_test_canaries():
+    """A canary fails once its library no longer needs the change; each one
+    named must be a test there. (Entries name none until it exists.)"""
+    named = [entry.patch.canary for entry in ENTRIES if entry.patch.canary]
+    for canary in named:
+        assert re.fullmatch(r"test_canaries\.py::test_\w+", canary), (
+            f"canary {canary!r}: write it as 'test_canaries.py::test_name'"
+        )
+    canaries = TESTS / "test_canaries.py"
+    defined = (
+        {node.name for node in ast.walk(ast.parse(canaries.read_text())) if isinstance(node, ast.FunctionDef)}
+        if canaries.exists()
+        else set()
+    )
+    missing = sorted({canary for canary in named if canary.split("::")[1] not in defined})
+    assert not missing, f"no such test in tests/test_canaries.py: {missing}"
+
+
+def test_the_docs_tables_are_the_generated_ones():
+    stale = [
+        page
+        for page in table.GENERATED
+        if table.regenerated(page, (docs := TESTS.parent / "docs" / page).read_text()) != docs.read_text()
+    ]
+    assert not stale, (
+        f"docs/{stale} differ from the declarations: run `python -m tfmp.integrations.table --write`"
+    )
+
+
+def test_a_docs_page_without_its_markers_is_refused():
+    with pytest.raises(ValueError, match="must hold one generated block"):
+        table.regenerated("layouts.md", "# no generated block\n")

@@ -10,14 +10,14 @@ from tfmp.lowering import lowerings
 from tfmp.lowering.registry import keras_original
 
 
-@pytest.mark.parametrize("lowering", lowerings(), ids=lambda lowering: f"{lowering.module}.{lowering.name}")
+@pytest.mark.parametrize("lowering", lowerings(), ids=lambda lowering: f"{lowering.target}.{lowering.attribute}")
 def test_replacement_takes_keras_arguments(lowering):
-    if not lowering.in_installed_keras():
-        module = importlib.import_module(lowering.module)
-        assert not hasattr(module, lowering.name), f"{lowering} exists before its `since`"
+    if not lowering.in_installed_library():
+        module = importlib.import_module(lowering.target)
+        assert not hasattr(module, lowering.attribute), f"{lowering} exists before its `since`"
         return
-    keras_function = keras_original(lowering.module, lowering.name)  # fails if Keras moved it
-    _, replacement = lowering.resolve()
+    keras_function = keras_original(lowering.target, lowering.attribute)  # fails if Keras moved it
+    replacement = lowering.wrapper_function()
     replacement_parameters = inspect.signature(replacement).parameters
     if any(p.kind is p.VAR_POSITIONAL for p in replacement_parameters.values()):
         return  # declines whatever it is given

@@ -47,6 +47,7 @@ import keras
 from keras.src.models.functional import Functional
 
 from tfmp.layout import Axes, LayoutMap, gather_on_use
+from tfmp.layout_decision import is_floating_point
 from tfmp.mesh import as_device_mesh
 
 
@@ -77,6 +78,8 @@ class _Plan:
     size: int
     rules: dict[str, Axes] = dataclasses.field(default_factory=dict)
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The weights of layers that declare their own layouts (tfmp's layers).
+    declared: set[str] = dataclasses.field(default_factory=set)
     vocabularies: set[int] = dataclasses.field(default_factory=set)
     columns: list[_Projection] = dataclasses.field(default_factory=list)  # awaiting a row partner
     channelwise: list[Any] = dataclasses.field(default_factory=list)  # between columns and row
@@ -209,7 +212,7 @@ def _split_storage(
     that divides (in every variable sharing its path, `shapes`)."""
     for variable in weights:
         path, rank = variable.path, len(variable.shape)
-        if path in plan.rules or rank < 2 or not str(variable.dtype).startswith(("float", "bfloat")):
+        if path in plan.rules or path in plan.declared or rank < 2 or not is_floating_point(variable.dtype):
             continue
         if {len(shape) for shape in shapes[path]} != {rank}:
             continue
@@ -737,6 +740,8 @@ def _plan_experts(plan: _Plan, layer: Any) -> None:
 def _plan_declared(plan: _Plan, layer: Any) -> None:
     _end_pair(plan)
     plan.keep(layer, "a tfmp layer: declares its own layouts")
+    # Not split for storage either: its declaration is its layout.
+    plan.declared.update(variable.path for variable in layer.weights)
 
 
 _TRANSPOSED_CONVS = (

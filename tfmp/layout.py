@@ -427,56 +427,6 @@ class UndividedDimension:
     source: str
 
 
-def axes_to_layout(
-    axes: Axes,
-    mesh: DeviceMesh,
-    shape: Sequence[int],
-    path: str,
-    rule: str | None,
-    missing_axis_replicates: bool = False,
-    undivided: list[UndividedDimension] | None = None,
-) -> dtensor.Layout:
-    """Builds the DTensor layout for one variable, checking the axes against it.
-
-    A dimension whose size does not divide by its mesh axis is kept whole: it
-    is added to `undivided` when given (the strategy warns once about all of a
-    model's), else warned about by itself. A mesh axis the mesh lacks is an
-    error, or, with `missing_axis_replicates` (layouts that layers declare),
-    keeps that dimension whole: the layer then behaves as its Keras
-    counterpart.
-    """
-    shape = tuple(shape)
-    source = rule or "its layout"
-    if len(axes) != len(shape):
-        raise ValueError(
-            f"Layout {axes} for variable {path!r} has {len(axes)} entries but the "
-            f"variable has shape {shape} (rank {len(shape)}). Fix {source} to give "
-            f"one mesh axis or None per dimension."
-        )
-    specs = []
-    for dim, (axis, size) in enumerate(zip(axes, shape)):
-        if axis is None or (missing_axis_replicates and axis not in mesh.axis_names):
-            specs.append(dtensor.UNSHARDED)
-            continue
-        mesh.check_axis(axis, what=f"Mesh axis of variable {path!r} ({source})")
-        parts = mesh.axis_size(axis)
-        if size % parts:
-            if undivided is not None:
-                undivided.append(UndividedDimension(path, dim, size, axis, parts, source))
-            else:
-                warnings.warn(
-                    f"tfmp: variable {path!r} dimension {dim} has size {size}, which does "
-                    f"not divide by mesh axis {axis!r} of size {parts}; that dimension is "
-                    f"replicated instead of split. Change {source} or make the size a "
-                    f"multiple of {parts}.",
-                    stacklevel=2,
-                )
-            specs.append(dtensor.UNSHARDED)
-        else:
-            specs.append(axis)
-    return dtensor.Layout(specs, mesh.dtensor_mesh)
-
-
 def layout_axes(layout: dtensor.Layout) -> Axes:
     """The mesh axis (or None) of each dimension of a DTensor layout."""
     return tuple(None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs)

@@ -5,7 +5,10 @@ their entry points: `Layer.__call__`, the trainer's `fit`, tf_keras' step
 functions, Orbit's loops, DTensor's Relayout gradient. Each such change is a
 `Patch` in one of this package's modules (one per library), naming what it
 replaces, the tfmp function that wraps the original, why, and the library
-versions it was tested on. `install()` applies them once, when the first
+versions it was tested on. The Keras backend functions that tfmp rewrites on
+a mesh (`tfmp.lowering`) are `Patch`es too, of `kind="lowering"`, declared
+by their op family; `tfmp.integrations.table` lists every declaration and
+writes the tables of the docs from them. `install()` applies them once, when the first
 `ModelParallelStrategy` is made: importing tfmp changes nothing but
 `keras.distribution` (below), and models outside any tfmp strategy run
 Keras' own code. `tests/test_integrations.py`
@@ -55,14 +58,35 @@ class Patch:
         attribute: The attribute's name (for `kind="gradient"`, the op type
             whose registered gradient is wrapped).
         wrapper: `"tfmp.module:function"` that takes the original and returns
-            its replacement.
+            its replacement (for `kind="addition"` and `kind="lowering"`,
+            the function that is set or run instead).
         why: What would go wrong under tfmp without it.
         parameters: Parameter names of the original that the wrapper relies on.
         kind: `"class"` (replaced on the class or module when installed),
             `"instance"` (replaced on single objects by the feature that needs
             it; the target class must still set the attribute),
-            `"gradient"` (an op's registered gradient function), or
-            `"addition"` (an attribute the target lacks; `wrapper` is set as is).
+            `"gradient"` (an op's registered gradient function),
+            `"addition"` (an attribute the target lacks; `wrapper` is set as is),
+            or `"lowering"` (`tfmp.lowering.Lowering`: `wrapper` runs instead
+            while a forward pass is traced on a mesh).
+        since: The first release of the target's library that has the
+            attribute (older ones have nothing to change); None: every
+            tested release.
+        canary: The test that fails once the library no longer needs the
+            change, as `"test_canaries.py::test_name"`; empty until one is
+            written.
+
+    Examples:
+        >>> from tfmp.integrations import Patch, library_of
+        >>> patch = Patch(
+        ...     "keras.src.models.model:Model",
+        ...     "load_weights",
+        ...     "tfmp.strategy.saving:verified_load_weights",
+        ...     "A damaged file loads silently.",
+        ...     parameters=("filepath",),
+        ... )
+        >>> patch.package, library_of(patch).PACKAGE
+        ('keras', 'keras')
     """
 
     target: str
@@ -71,6 +95,20 @@ class Patch:
     why: str
     parameters: tuple[str, ...] = ()
     kind: str = "class"
+    since: str | None = None
+    canary: str = ""
+
+    @property
+    def package(self) -> str:
+        """The import name of the library the target belongs to."""
+        return self.target.partition(":")[0].split(".")[0]
+
+    def in_installed_library(self) -> bool:
+        """Whether the installed library is a release that has the attribute."""
+        if self.since is None:
+            return True
+        version = installed_version(library_of(self).PACKAGE)
+        return version is not None and is_at_least(version, self.since)
 
     def owner(self) -> Any:
         """The module or class that holds the attribute."""
@@ -109,6 +147,19 @@ def libraries() -> list[Any]:
     return [importlib.import_module(name) for name in _LIBRARIES]
 
 
+def library_of(patch: Patch) -> Any:
+    """The integration module of the library `patch` changes (its `PACKAGE`
+    and `TESTED` versions)."""
+    for library in libraries():
+        if library.MODULE == patch.package:
+            return library
+    raise ValueError(
+        f"{patch.target!r} belongs to no library tfmp integrates with "
+        f"({[library.MODULE for library in libraries()]}): declare the library "
+        "in tfmp/integrations/ first."
+    )
+
+
 _installed: set[str] = set()
 
 
@@ -121,7 +172,7 @@ def install() -> None:
             continue
         _installed.add(library.MODULE)
         _warn_if_untested(library)
-        for patch in library.PATCHES:
+        for patch in filter(Patch.in_installed_library, library.PATCHES):
             patch.apply()
         for hook in getattr(library, "AFTER_INSTALL", ()):
             module_name, function_name = hook.split(":")
@@ -137,7 +188,7 @@ def install_on_import() -> None:
         if library.MODULE in _installed_on_import or library.MODULE not in sys.modules:
             continue
         _installed_on_import.add(library.MODULE)
-        for patch in getattr(library, "ON_IMPORT", ()):
+        for patch in filter(Patch.in_installed_library, getattr(library, "ON_IMPORT", ())):
             patch.apply()
 
 

@@ -292,5 +292,6 @@ ON_IMPORT = (
 )
 
 # Keras backend functions that run tfmp's rewrite while a forward pass is
-# traced on a mesh: a table of their own (`tfmp.lowering`), with its own test.
+# traced on a mesh: `Patch`es of kind "lowering", declared by op family in
+# `tfmp.lowering` and listed with these by `tfmp.integrations.table`.
 AFTER_INSTALL = ("tfmp.lowering:install",)

@@ -12,35 +12,36 @@ from tfmp.forward import forward_mesh
 
 
 @dataclasses.dataclass(frozen=True)
-class Lowering:
-    """One Keras backend function that runs `replacement` on a tfmp mesh.
+class Lowering(integrations.Patch):
+    """One Keras backend function that runs `wrapper` on a tfmp mesh: a
+    `tfmp.integrations.Patch` of `kind="lowering"`.
 
-    Attributes:
-        module: Module that holds the function, e.g.
-            `"keras.src.backend.tensorflow.nn"`.
-        name: The function's name in that module.
-        replacement: `"package.module:function"` taking the same arguments.
-        why: What DTensor refuses in Keras' own version.
-        since: The first Keras release that has the function (older ones
-            have nothing to lower).
+    Declared positionally as `Lowering(target, attribute, wrapper, why)`:
+    the module that holds the function (e.g.
+    `"keras.src.backend.tensorflow.nn"`), its name, the
+    `"package.module:function"` that takes the same arguments and runs
+    instead while a forward pass is traced on a mesh, and what DTensor
+    refuses in Keras' own version; `since` names the first release that has
+    the function when the oldest tested one lacks it.
+
+    Examples:
+        >>> from tfmp.lowering import Lowering
+        >>> lowering = Lowering(
+        ...     "keras.src.backend.tensorflow.numpy",
+        ...     "flip",
+        ...     "tfmp.lowering.rnn:flip",
+        ...     "ReverseV2 has no DTensor layout propagation",
+        ... )
+        >>> lowering.kind, lowering.package
+        ('lowering', 'keras')
     """
 
-    module: str
-    name: str
-    replacement: str
-    why: str
-    since: str = "3.12"
+    kind: str = "lowering"
 
-    def in_installed_keras(self) -> bool:
-        """Whether the installed Keras is a release that has the function."""
-        return integrations.is_at_least(integrations.installed_version("keras"), self.since)
-
-    def resolve(self) -> tuple[Any, Callable]:
-        """The target module and tfmp's replacement function."""
-        module_name, function_name = self.replacement.split(":")
-        return importlib.import_module(self.module), getattr(
-            importlib.import_module(module_name), function_name
-        )
+    def apply(self) -> None:
+        """Wraps the target: tfmp's version while a forward pass is traced
+        on a mesh, Keras' own otherwise."""
+        setattr(self.owner(), self.attribute, _on_mesh_only(self.original(), self.wrapper_function()))
 
 
 # Each module holds the lowerings of one op family, as a tuple `LOWERINGS`.
@@ -58,28 +59,26 @@ _FAMILIES = (
 )
 
 
+def families() -> list[Any]:
+    """The family modules, each with its `LOWERINGS`."""
+    return [importlib.import_module(family) for family in _FAMILIES]
+
+
 def lowerings() -> tuple[Lowering, ...]:
     """Every lowering, family by family."""
-    return tuple(
-        lowering
-        for family in _FAMILIES
-        for lowering in importlib.import_module(family).LOWERINGS
-    )
+    return tuple(lowering for family in families() for lowering in family.LOWERINGS)
 
 _installed = False
 
 
 def install() -> None:
-    """Wraps each target once: tfmp's version while a forward pass is
-    traced on a mesh, Keras' own otherwise."""
+    """Applies every lowering of the installed libraries, once."""
     global _installed
     if _installed:
         return
     _installed = True
-    for lowering in filter(Lowering.in_installed_keras, lowerings()):
-        module, replacement = lowering.resolve()
-        original = getattr(module, lowering.name)
-        setattr(module, lowering.name, _on_mesh_only(original, replacement))
+    for lowering in filter(Lowering.in_installed_library, lowerings()):
+        lowering.apply()
 
 
 def keras_original(module: str, name: str) -> Callable:

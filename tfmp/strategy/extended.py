@@ -15,7 +15,8 @@ from tensorflow.python.distribute import distribute_lib
 
 from tfmp import integrations
 from tfmp.auto_layout import auto_layout, has_weights
-from tfmp.layout import LayoutMap, axes_to_layout, declared_layout, explicit_layout, replicated
+from tfmp.layout import LayoutMap, declared_layout, explicit_layout, replicated
+from tfmp.layout_decision import decide_layout
 from tfmp.mesh import DeviceMesh
 from tfmp.strategy import agreement
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
@@ -27,10 +28,11 @@ from tfmp.strategy.stage_hooks import StageHooks
 from tfmp.strategy.undivided import UndividedDimensions
 from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.variable_layout import (
-    fully_sharded,
     gathered_axes,
     keras_variable_being_created,
-    resolve_layout,
+    mesh_axes,
+    slot_of,
+    storage_layout,
 )
 from tfmp.strategy.watchdog import watch_custom_loop_steps
 
@@ -118,36 +120,27 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         )
         stage = self.stages.stage_of_new_variable(keras_variable, colocate_with)
         mesh = self.stages.mesh_of(stage)
-        rule = self.layout_map.match(path)
-        # Keras hands an optimizer slot its variable's `layout=` too, which
-        # need not fit a slot of another shape (a factored second moment):
-        # slots are laid out by their variable (or the rules) instead.
-        explicit = explicit_layout(keras_variable) if colocate_with is None else None
-        if explicit is not None:
-            declared, rule = explicit, None
-        else:
-            declared = declared_layout(path, keras_variable)
+        known = dict(
+            slot_of=slot_of(colocate_with),
+            # Keras hands an optimizer slot its variable's `layout=` too, which
+            # need not fit a slot of another shape (a factored second moment):
+            # slots are laid out by their variable (or the rules) instead.
+            explicit=explicit_layout(keras_variable) if colocate_with is None else None,
+            declared=declared_layout(path, keras_variable),
+            rule=self.layout_map.match(path),
+            fully_shard_axis=self.fully_shard_axis,
+        )
 
         def initial_value_on_mesh():
             # Computed on the host so that each device only ever holds its shard.
             with tf.device("CPU:0"):
                 value = initial_value() if callable(initial_value) else initial_value
                 value = tf.convert_to_tensor(value, dtype=dtype)
-            undivided = []
-            layout = resolve_layout(
-                path,
-                value.shape,
-                value.dtype,
-                mesh,
-                colocated=colocate_with,
-                declared=declared,
-                rule=rule,
-                fully_shard_axis=self.fully_shard_axis,
-                undivided=undivided,
-            )
+            decision = decide_layout(path, value.shape, value.dtype, mesh_axes(mesh), **known)
+            layout = storage_layout(decision, mesh)
             if colocate_with is None:
-                self.undivided.note_variable(path, value, layout, undivided)
-            return to_layout(value, layout)
+                self.undivided.note_variable(path, value, layout, list(decision.undivided))
+            return to_layout(value, layout), decision
 
         if colocate_with is not None:
             self._with_slots.add(colocate_with.ref())
@@ -157,12 +150,13 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         # DTensor lays out values only eagerly (`DVariable` would run
         # `initial_value_on_mesh` in the graph).
         with tf.init_scope(), dtensor.default_mesh(mesh.dtensor_mesh):
+            value, decision = initial_value_on_mesh()
             return MeshVariable(
-                initial_value_on_mesh,
+                value,
                 path=path,
                 placer=self.placer,
                 stage=stage,
-                gathered_axes=gathered_axes(self.placer.batch_axis, declared, rule),
+                gathered_axes=gathered_axes(self.placer.batch_axis, decision),
                 **kwargs,
             )
 
@@ -298,21 +292,25 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         object.__setattr__(model, "_tfmp_auto_planned", True)
         plan = auto_layout(model, self.mesh, self.auto_axis)
         for variable in model.variables:
-            match = plan.match(variable.path)
-            if match is None or explicit_layout(variable) is not None:
+            planned = plan.match(variable.path)
+            if planned is None:
                 continue
             mesh = self.stages.mesh_of(variable.value.stage)
-            undivided = []
-            layout = axes_to_layout(
-                match[1], mesh, variable.shape, variable.path, "auto_layout", undivided=undivided
+            decision = decide_layout(
+                variable.path,
+                variable.shape,
+                variable.dtype,
+                mesh_axes(mesh),
+                explicit=explicit_layout(variable),
+                planned=planned,
+                fully_shard_axis=self.fully_shard_axis,
             )
-            if self.fully_shard_axis is not None:
-                layout = fully_sharded(
-                    layout, variable.shape, self.fully_shard_axis, variable.dtype
-                )
-            self.undivided.note_variable(variable.path, variable.value, layout, undivided)
+            if decision.source == "explicit":
+                continue  # laid out as it was made
+            layout = storage_layout(decision, mesh)
+            self.undivided.note_variable(variable.path, variable.value, layout, list(decision.undivided))
             self.move_variable(
-                variable, layout, gathered=gathered_axes(self.placer.batch_axis, rule=match)
+                variable, layout, gathered=gathered_axes(self.placer.batch_axis, decision)
             )
         self.layout_map = plan
         self._planned_values.update(v.value.ref() for v in model.variables)

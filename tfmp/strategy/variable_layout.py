@@ -1,16 +1,17 @@
-"""Which layout a new variable gets: one pure function, and the hook that tells
-it which Keras variable is being created."""
+"""Which layout a new variable gets: the hook that tells the strategy which
+Keras variable is being created, and the DTensor layout of what
+`tfmp.layout_decision.decide_layout` decides for it."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
-import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.layout import Axes, GatheredOnUse, UndividedDimension, axes_to_layout
+from tfmp.layout import layout_axes
+from tfmp.layout_decision import LayoutDecision
 from tfmp.mesh import DeviceMesh
 
 _creating = threading.local()
@@ -38,108 +39,34 @@ def keras_variable_being_created() -> Any:
     return getattr(_creating, "variable", None)
 
 
-def resolve_layout(
-    path: str,
-    shape: Sequence[int],
-    dtype: tf.DType,
-    mesh: DeviceMesh,
-    colocated: Any = None,
-    declared: tuple[str, Axes] | None = None,
-    rule: tuple[str, Axes] | None = None,
-    fully_shard_axis: str | None = None,
-    undivided: list[UndividedDimension] | None = None,
-) -> dtensor.Layout:
-    """The storage layout of a new variable, from what is known about it.
-
-    In order: an optimizer slot (created colocated with its variable, same
-    shape) takes that variable's layout; a layout the variable's layer
-    declares (which a LayoutMap rule must not contradict); the LayoutMap rule
-    that matches its path; else replicated. With `fully_shard_axis`, a
-    floating-point variable is then also split over that axis on its largest
-    dimension that is not split yet and divides by it (fully sharded data
-    parallelism).
-
-    Args:
-        path: The variable's path, for rules and messages.
-        shape: Its shape.
-        dtype: Its dtype.
-        mesh: The mesh it lives on.
-        colocated: The variable an optimizer slot is created for, or None.
-        declared: `(layer name, axes)` its layer declares, or None.
-        rule: `(key, axes)` of the LayoutMap rule that matches, or None.
-        fully_shard_axis: The mesh axis to shard every weight over as well.
-        undivided: Where the dimensions kept whole because their size does
-            not divide by their mesh axis are added; None: each is warned
-            about (`axes_to_layout`).
-
-    Returns:
-        A `dtensor.Layout` on `mesh`.
-    """
-    shape = tuple(int(size) for size in shape)
-    reference = getattr(colocated, "layout", None)
-    if reference is not None and tuple(colocated.shape) == shape:
-        return reference
-    if declared is not None:
-        owner, axes = declared
-        if rule is not None and rule[1] != axes:
-            raise ValueError(
-                f"Variable {path!r}: layer {owner!r} declares the layout {axes} "
-                f"but LayoutMap rule {rule[0]!r} gives {rule[1]}. The layer's "
-                "layout is used for its weights: remove the rule or make it agree."
-            )
-        layout = axes_to_layout(
-            axes, mesh, shape, path, f"the layout layer {owner!r} declares",
-            missing_axis_replicates=True, undivided=undivided,
-        )
-    elif rule is not None:
-        layout = axes_to_layout(
-            rule[1], mesh, shape, path, f"LayoutMap rule {rule[0]!r}", undivided=undivided
-        )
-    else:
-        layout = dtensor.Layout.replicated(mesh.dtensor_mesh, len(shape))
-    if fully_shard_axis is None:
-        return layout
-    return fully_sharded(layout, shape, fully_shard_axis, dtype)
+def mesh_axes(mesh: DeviceMesh) -> dict[str, int]:
+    """The mesh's axis names and sizes, in order: what `decide_layout` knows
+    of a mesh."""
+    return dict(zip(mesh.axis_names, mesh.shape))
 
 
-def gathered_axes(
-    batch_axis: str | None,
-    declared: tuple[str, Axes] | None = None,
-    rule: tuple[str, Axes] | None = None,
-) -> tuple[str, ...]:
+def slot_of(colocated: Any) -> tuple[str, tuple[int, ...], tuple[str | None, ...]] | None:
+    """What `decide_layout` knows of the variable an optimizer slot is made
+    for (`colocate_with`): its path, shape and storage axes; None for no
+    variable, or one not on a mesh."""
+    layout = getattr(colocated, "layout", None)
+    if layout is None:
+        return None
+    path = getattr(colocated, "path", colocated.name)
+    return path, tuple(int(size) for size in colocated.shape), layout_axes(layout)
+
+
+def storage_layout(decision: LayoutDecision, mesh: DeviceMesh) -> dtensor.Layout:
+    """The DTensor layout of `decision` on `mesh`."""
+    return dtensor.Layout([axis or dtensor.UNSHARDED for axis in decision.axes], mesh.dtensor_mesh)
+
+
+def gathered_axes(batch_axis: str | None, decision: LayoutDecision) -> tuple[str, ...]:
     """The mesh axes a variable is gathered over when its layer reads it.
 
     The batch axis (the activations a weight meets are split over it, so a
-    weight split over it is fully sharded), and every axis of the layout it
-    gets (its layer's declaration, else the rule) if that is a
-    `tfmp.gather_on_use` layout.
+    weight split over it is fully sharded), and every axis of its layout if
+    that is a `tfmp.gather_on_use` layout.
     """
-    axes = (declared or rule or (None, ()))[1]
     gathered = [batch_axis] if batch_axis else []
-    if isinstance(axes, GatheredOnUse):
-        gathered += [axis for axis in axes if axis and axis not in gathered]
-    return tuple(gathered)
-
-
-def fully_sharded(
-    layout: dtensor.Layout, shape: Sequence[int], axis: str, dtype: Any
-) -> dtensor.Layout:
-    """`layout` also split over `axis` on the largest dimension that is whole
-    and divides by it; `layout` itself when it uses `axis`, none fits, or
-    `dtype` is not floating point (a step counter, an integer table).
-
-    The one place that decides which variables `fully_shard=True` splits:
-    every floating dtype, `bfloat16` and `float16` (a `"bfloat16"` policy's
-    weights) as well as `float32` (a mixed policy's)."""
-    specs = list(layout.sharding_specs)
-    if not tf.as_dtype(dtype).is_floating or axis in specs or axis not in layout.mesh.dim_names:
-        return layout
-    parts = layout.mesh.dim_size(axis)
-    candidates = [
-        dim for dim, size in enumerate(shape)
-        if specs[dim] == dtensor.UNSHARDED and size % parts == 0 and size >= parts
-    ]
-    if parts == 1 or not candidates:
-        return layout
-    specs[max(candidates, key=lambda dim: (shape[dim], -dim))] = axis
-    return dtensor.Layout(specs, layout.mesh)
+    return (*gathered, *(axis for axis in decision.gathered_on_use if axis not in gathered))
