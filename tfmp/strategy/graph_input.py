@@ -55,16 +55,15 @@ class GraphBatches:
         self._placer = placer
         self._mesh = placer.mesh
         self._structure = host_iterator.element_spec
+        specs = tf.nest.flatten(self._structure)
+        self._dtypes = [spec.dtype for spec in specs]
         with tf.init_scope(), tf.device(_HOST):
             first = _first_batch(host_iterator)
-            self._shapes = [
-                leaf.shape if first is not None else _empty_shape(spec)
-                for leaf, spec in zip(
-                    tf.nest.flatten(first) if first is not None else tf.nest.flatten(self._structure),
-                    tf.nest.flatten(self._structure),
-                )
-            ]
-            self._dtypes = [spec.dtype for spec in tf.nest.flatten(self._structure)]
+            if first is None:
+                self._shapes = [_empty_shape(spec) for spec in specs]
+            else:
+                self._shapes = [leaf.shape for leaf in tf.nest.flatten(first)]
+            # The multi-device iterator owns the devices' iterators the resource packs.
             self._iterator, self._resource = self._device_iterators(host_iterator, first)
 
     def _splits(self, shape: tf.TensorShape) -> bool:

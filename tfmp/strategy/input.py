@@ -174,6 +174,11 @@ class MeshIterator:
     one step ahead: there, a worker thread's eager ops broke Orbit's summary
     writer ("Resource .../SummaryWriterInterface does not exist" in the run
     after a restore).
+
+    Nothing is read before the first eager `next()`. A `next()` or
+    `get_next_as_optional()` traced into a `tf.function` instead hands the
+    host iterator to `GraphBatches`, whose batches are ops of the graph
+    (TensorFlow's multi-step loops).
     """
 
     def __init__(
@@ -199,8 +204,6 @@ class MeshIterator:
             if distributed.cluster()
             else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfmp-input")
         )
-        # Nothing is read before the first eager next(): a loop that reads
-        # the iterator inside a tf.function takes it over unread.
         self._ahead: concurrent.futures.Future | None = None
         self._graph_batches: GraphBatches | None = None
 
@@ -276,13 +279,6 @@ class MeshIterator:
                     "distributed dataset that was already read eagerly: tfmp has read batches "
                     "ahead on the host. Make a new iterator with iter() for the tf.function, "
                     "or keep reading this one eagerly."
-                )
-            if self._local_rows:
-                raise ValueError(
-                    "next() inside a tf.function on an iterator of distribute_datasets_from_"
-                    "function's dataset, where each client reads its own rows, is not "
-                    "supported. Call next() outside the tf.function and pass the batch to "
-                    "the compiled step."
                 )
             self._graph_batches = GraphBatches(self._host_iterator, self._placer)
             if self._worker is not None:
