@@ -181,3 +181,31 @@ def test_next_in_a_graph_with_several_clients_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(dtensor, "num_clients", lambda: 2)
     with pytest.raises(ValueError, match=r"not supported with several DTensor clients.*outside the tf.function"):
         tf.function(lambda: next(iterator))()
+
+
+def test_fit_with_steps_per_execution_runs_its_steps_in_a_loop_as_one_device(monkeypatch):
+    """`steps_per_execution=4` on 37 samples at batch 8: each epoch is one
+    call of 4 batches of the same shapes, whose last 3 steps run in a
+    `tf.while_loop`, then one call of the partial batch of 5 rows."""
+    from tfmp.strategy import steps_per_call
+
+    same_layouts = steps_per_call._same_layouts
+    looped = []
+    monkeypatch.setattr(
+        steps_per_call, "_same_layouts", lambda batches: looped.append(same_layouts(batches)) or looped[-1]
+    )
+    x, y = DATA
+    histories, weights = [], []
+    for strategy in (None, strategy_for((2, 4), mlp_layout_map)):
+        with (strategy or tf.distribute.get_strategy()).scope():
+            model = build_mlp()
+            model.set_weights(WEIGHTS)
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], steps_per_execution=4
+            )
+        histories.append(model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history)
+        weights.append(model.get_weights())
+    assert looped == [True, True]  # the partial batch's calls hold one batch
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-5)
+    assert_weights_close(weights[0], weights[1])
