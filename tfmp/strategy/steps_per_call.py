@@ -102,10 +102,9 @@ def _same_layouts(batches: list[Any]) -> bool:
             for leaf in tf.nest.flatten(batch)
         ]
 
-    first = tf.nest.map_structure(lambda _: None, batches[0])
     try:
         for batch in batches[1:]:
-            tf.nest.assert_same_structure(first, tf.nest.map_structure(lambda _: None, batch))
+            tf.nest.assert_same_structure(batches[0], batch)
     except (TypeError, ValueError):
         return False
     want = signature(batches[0])
