@@ -21,6 +21,11 @@ Usage (from the repository root, on a shared machine under `nice -n 19`):
     python bench/memory_growth.py              # 2,000 measured steps per run
     python bench/memory_growth.py --quick      # 600
     python bench/memory_growth.py --steps-per-execution 8   # fit only
+    python bench/memory_growth.py --modes graph_loop --steps-per-execution 8
+
+`graph_loop` is a custom loop as TensorFlow's guides write it: a
+`tf.function` whose `for _ in tf.range(k)` loop calls `strategy.run` on
+`next(iterator)`, called once per k steps (k: `--steps-per-execution`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import subprocess
 import sys
 
 CONFIGS = ("keras", "1x1", "2x4")
-MODES = ("fit", "train_on_batch", "predict")
+MODES = ("fit", "train_on_batch", "predict", "graph_loop")
 BATCH = 16
 # Below this baseline growth (MB per 1,000 steps) the ratio's denominator is
 # this floor: RSS moves by page-sized steps, and a flat baseline is noise.
@@ -67,6 +72,7 @@ def measure(config: str, mode: str, steps: int, warmup: int, every: int, spe: in
     tfmp.simulate_devices(8)
     import keras
     import numpy as np
+    import tensorflow as tf
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
@@ -85,6 +91,7 @@ def measure(config: str, mode: str, steps: int, warmup: int, every: int, spe: in
         return model
 
     if config == "keras":
+        strategy = tf.distribute.get_strategy()
         model = build()
     else:
         shape = tuple(int(size) for size in config.split("x"))
@@ -112,7 +119,15 @@ def measure(config: str, mode: str, steps: int, warmup: int, every: int, spe: in
         on_train_batch_end = on_predict_batch_end = _sample
 
     total = warmup + steps
-    if mode == "train_on_batch":
+    if mode == "graph_loop":
+        sampler = Sampler()
+        train_steps = graph_loop(model, strategy, spe)
+        iterator = iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensors((x, y)).repeat()))
+        for _ in range(total // spe):
+            train_steps(iterator)
+            sampler._sample(None)
+    elif mode == "train_on_batch":
         sampler = Sampler()
         for _ in range(total):
             model.train_on_batch(x, y)
@@ -126,6 +141,28 @@ def measure(config: str, mode: str, steps: int, warmup: int, every: int, spe: in
             model.predict(xs, batch_size=BATCH, verbose=0, callbacks=[Sampler()])
     return {"config": config, "mode": mode, "mb_per_1000": growth_per_1000(points),
             "rss_end_mb": points[-1][1]}
+
+
+def graph_loop(model, strategy, steps: int):
+    """A compiled function that trains `model` `steps` steps on batches it
+    reads with `next(iterator)` in a `tf.range` loop."""
+    import keras
+    import tensorflow as tf
+
+    def step_fn(batch):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(labels, model(features, training=True)))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_steps(iterator):
+        for _ in tf.range(steps):
+            strategy.run(step_fn, args=(next(iterator),))
+
+    return train_steps
 
 
 def allocator() -> str:
@@ -143,7 +180,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--steps-per-execution", type=int, default=1)
-    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="*", default=list(MODES[:3]), choices=MODES)
     parser.add_argument("--one", nargs=2, metavar=("CONFIG", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = 600 if args.quick else args.steps
@@ -151,7 +188,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(*args.one, steps, args.warmup, args.every, spe)))
         return
-    modes = ["fit"] if spe > 1 else args.modes
+    modes = [mode for mode in args.modes if mode in ("fit", "graph_loop")] if spe > 1 else args.modes
     print(f"model: 16 -> 32 relu -> 8, Adam, mse, batch {BATCH}; {args.warmup} warm-up steps, "
           f"{steps} measured, RSS every {args.every}; steps_per_execution {spe}; "
           f"8 simulated CPU devices; allocator: {allocator()}")

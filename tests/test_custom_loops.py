@@ -334,24 +334,6 @@ def test_an_epoch_in_a_tf_function_whose_batches_change_is_a_named_error():
         epoch_sum()
 
 
-def test_next_on_an_iterator_inside_a_tf_function_is_a_named_error():
-    strategy = tfmp.ModelParallelStrategy(mesh((8, 1)))
-    iterator = iter(strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices(DATA).batch(GLOBAL_BATCH_SIZE)
-    ))
-
-    @tf.function
-    def distributed_train_steps(iterator):
-        total = 0.0
-        for _ in tf.range(2):
-            features, _ = next(iterator)
-            total += strategy.reduce("SUM", strategy.run(tf.reduce_sum, args=(features,)), axis=None)
-        return total
-
-    with pytest.raises(RuntimeError, match=r"call next\(\) outside tf.function"):
-        distributed_train_steps(iterator)
-
-
 def test_auto_layout_of_a_model_not_built_before_the_first_step_is_a_named_error():
     strategy = tfmp.ModelParallelStrategy(mesh((2, 4)), layout_map="auto")
     with strategy.scope():

@@ -189,17 +189,6 @@ def test_input_pipelines_follow_the_clients_positions_along_the_batch_axis():
         input_pipelines({0: (0, 1), 1: (1, 2)}, 0, "batch")
 
 
-def test_reading_a_batch_inside_a_function_is_an_error():
-    device_mesh = mesh((2, 4))
-    strategy = tfmp.ModelParallelStrategy(device_mesh)
-    import tensorflow as tf
-
-    iterator = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4)))
-    with pytest.raises(RuntimeError, match=r"call next\(\) outside tf.function"):
-        tf.function(lambda: next(iterator))()
-    assert next(iterator).shape == (4,)  # eagerly, batches still arrive
-
-
 def test_two_clients_run_a_model_garden_experiment_and_resume_it(tmp_path):
     """Orbit's loops and checkpoints on two clients: the second run trains only
     steps 9-12, so it restored the checkpoint both clients wrote."""

@@ -20,6 +20,7 @@ from tensorflow.python.distribute import input_lib
 
 from tfmp import distributed
 from tfmp.strategy.graph_capture import FirstStepGraphs
+from tfmp.strategy.graph_input import GraphBatches
 from tfmp.strategy.placement import BatchPlacer, pack
 
 _HOST = "CPU:0"
@@ -173,6 +174,11 @@ class MeshIterator:
     one step ahead: there, a worker thread's eager ops broke Orbit's summary
     writer ("Resource .../SummaryWriterInterface does not exist" in the run
     after a restore).
+
+    Nothing is read before the first eager `next()`. A `next()` or
+    `get_next_as_optional()` traced into a `tf.function` instead hands the
+    host iterator to `GraphBatches`, whose batches are ops of the graph
+    (TensorFlow's multi-step loops).
     """
 
     def __init__(
@@ -198,7 +204,8 @@ class MeshIterator:
             if distributed.cluster()
             else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfmp-input")
         )
-        self._ahead = self._submit(self._pull())
+        self._ahead: concurrent.futures.Future | None = None
+        self._graph_batches: GraphBatches | None = None
 
     def _submit(self, batch: Any) -> concurrent.futures.Future:
         """Cuts `batch` into shards (and reads the one after it) on the worker
@@ -232,14 +239,15 @@ class MeshIterator:
 
     def __next__(self) -> Any:
         if not tf.executing_eagerly():
-            # A trace would read one batch and bake it into the function.
+            return self._in_graph().next()
+        if self._graph_batches is not None:
             raise RuntimeError(
-                "tfmp's dataset iterators read each batch on the host: call next() "
-                "outside tf.function and pass the batch to the compiled step (a "
-                "trace would read one batch and train on it forever). Keras' fit, "
-                "tf_keras' fit and Orbit's loops (Model Garden's run_experiment) "
-                "already do this under tfmp."
+                "This iterator of a distributed dataset is read inside a tf.function, which "
+                "reads its batches ahead: read it there only, or make another iterator with "
+                "iter() for eager reads."
             )
+        if self._ahead is None:
+            self._ahead = self._submit(self._pull())
         ahead = self._ahead.result()
         if ahead is None:
             if self._worker is not None:
@@ -261,9 +269,27 @@ class MeshIterator:
     def get_next(self) -> Any:
         return next(self)
 
+    def _in_graph(self) -> GraphBatches:
+        """The batches as ops of the function being traced (the first trace
+        takes the host iterator over)."""
+        if self._graph_batches is None:
+            if self._ahead is not None:
+                raise RuntimeError(
+                    "next() or get_next_as_optional() inside a tf.function on an iterator of a "
+                    "distributed dataset that was already read eagerly: tfmp has read batches "
+                    "ahead on the host. Make a new iterator with iter() for the tf.function, "
+                    "or keep reading this one eagerly."
+                )
+            self._graph_batches = GraphBatches(self._host_iterator, self._placer)
+            if self._worker is not None:
+                self._worker.shutdown(wait=False)
+        return self._graph_batches
+
     def get_next_as_optional(self) -> "BatchOptional":
         """The next batch, or none at the end, as `tf.distribute`'s iterators
         give it (DTensor cannot lay out a `tf.experimental.Optional`)."""
+        if not tf.executing_eagerly():
+            return self._in_graph().next_as_optional()
         try:
             return BatchOptional(next(self))
         except (StopIteration, tf.errors.OutOfRangeError):

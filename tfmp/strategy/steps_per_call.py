@@ -4,9 +4,14 @@ Keras runs a dataset it cannot iterate in a `tf.while_loop` (tfmp's batches
 are read on the host and placed on the mesh one step ahead) as k calls of its
 one-step function. On a mesh each call costs DTensor a dispatch to every
 device and a wait for the step's outputs; tfmp instead reads k placed batches
-and runs their k steps in one function, traced with the steps one after the
-other, so each step reads the variables the step before wrote: the same
-updates, in the same order, as k calls.
+and runs their k steps in one function, in order, so each step reads the
+variables the step before wrote: the same updates, in the same order, as k
+calls. When the k batches have the same shapes and layouts, the function
+runs the first step, then the other k-1 in a `tf.while_loop` over the
+stacked batches: two traced copies of the step instead of k, and, since
+TensorFlow keeps a record per collective copy and call, fewer records per
+step (docs/performance.md, host memory). Otherwise (the last call of an
+epoch, a partial last batch) the k steps are traced one after the other.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import functools
 from typing import Any, Callable
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from tfmp.strategy.extended import extended_of
@@ -40,22 +46,69 @@ def steps_per_call(make_function: Callable) -> Callable:
 def _multi_step_function(model: Any, step_function: Callable) -> Callable:
     strategy = model.distribute_strategy
 
+    def step(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return reduce_per_replica(outputs, strategy, reduction="auto")
+
     @tf.autograph.experimental.do_not_convert
     def steps_on_batches(batches):
         for data in batches:
-            outputs = strategy.run(step_function, args=(data,))
-            outputs = reduce_per_replica(outputs, strategy, reduction="auto")
+            outputs = step(data)
         return outputs
 
-    compiled = tf.function(
-        steps_on_batches, reduce_retracing=True, jit_compile=model.jit_compile
-    )
+    @tf.autograph.experimental.do_not_convert
+    def steps_in_a_loop(first, rest):
+        # One copy of the step for all the batches after the first: within a
+        # call a collective run again by the loop reuses TensorFlow's record
+        # of it, where k traced copies would keep k (docs/performance.md).
+        stacked = tf.nest.map_structure(
+            lambda *leaves: None if leaves[0] is None else tf.stack(leaves), *rest
+        )
+        outputs = step(first)
+
+        def body(index, outputs):
+            del outputs
+            data = tf.nest.map_structure(
+                lambda leaves: None if leaves is None else tf.gather(leaves, index), stacked
+            )
+            return index + 1, step(data)
+
+        _, outputs = tf.while_loop(
+            lambda index, _: index < len(rest), body, (tf.constant(0), outputs)
+        )
+        return outputs
+
+    compiled_batches = tf.function(steps_on_batches, reduce_retracing=True, jit_compile=model.jit_compile)
+    compiled_loop = tf.function(steps_in_a_loop, reduce_retracing=True, jit_compile=model.jit_compile)
 
     def function(iterator):
         batches = _read(iterator, model.steps_per_execution)
-        return compiled(tuple(batches))
+        if len(batches) == model.steps_per_execution and _same_layouts(batches):
+            return compiled_loop(batches[0], tuple(batches[1:]))
+        # The last call of an epoch, or batches of other shapes (a partial
+        # last batch): one traced copy per batch.
+        return compiled_batches(tuple(batches))
 
     return function
+
+
+def _same_layouts(batches: list[Any]) -> bool:
+    """Whether every batch has the first one's structure, shapes, dtypes and
+    layouts (so that one traced step runs them all)."""
+    def signature(batch):
+        return [
+            (leaf.shape, leaf.dtype, dtensor.fetch_layout(leaf) if dtensor.is_dtensor(leaf) else None)
+            if isinstance(leaf, tf.Tensor) else leaf
+            for leaf in tf.nest.flatten(batch)
+        ]
+
+    try:
+        for batch in batches[1:]:
+            tf.nest.assert_same_structure(batches[0], batch)
+    except (TypeError, ValueError):
+        return False
+    want = signature(batches[0])
+    return all(signature(batch) == want for batch in batches[1:])
 
 
 def _read(iterator: Any, count: int) -> list[Any]:
