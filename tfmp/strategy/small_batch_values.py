@@ -51,8 +51,9 @@ class SmallBatchValue(tf.experimental.ExtensionType):
 
 
 def _may_be_folded(shards: Any) -> bool:
-    """Whether a batch value's shards, packed, could be a value DTensor folds
-    (replicated, or split but of a structure partial batches share)."""
+    """Whether a batch value (its shards) has a dtype DTensor folds and fewer
+    than 20 elements per row: replicated, a batch of it may be folded, and
+    every batch of it travels alike, split or not."""
     if not isinstance(shards, HostShards):
         return False
     shard = shards.shards[0]
