@@ -41,6 +41,7 @@ class SmallBatchValue(tf.experimental.ExtensionType):
     """A batch value on the mesh, held in a dtype DTensor does not fold.
 
     Examples:
+        >>> from tfmp.strategy.small_batch_values import SmallBatchValue, restored
         >>> labels = SmallBatchValue(tf.constant([3, 1], tf.uint64), "int64")
         >>> restored(labels).dtype
         tf.int64
