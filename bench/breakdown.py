@@ -47,6 +47,7 @@ and is skipped without it):
 
     python bench/breakdown.py             # 5 warm-up + 10 steps x 4 rounds
     python bench/breakdown.py --quick     # tiny LM, keras + tfmp 2x4 + JAX, 1 round
+    python bench/breakdown.py --first-step  # the first step's parts (bench/first_step.py)
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-jax", action="store_true", help="skip Keras on JAX")
     parser.add_argument("--with-8x1", action="store_true",
                         help="also tfmp on an 8x1 mesh (data parallel only; about 30 s more)")
+    parser.add_argument("--first-step", action="store_true",
+                        help="instead: the first step's parts and each epoch's cost, for a convnet "
+                        "and a BiLSTM (bench/first_step.py)")
     parser.add_argument("--side", choices=("tf", "jax"), help=argparse.SUPPRESS)
     parser.add_argument("--init", help=argparse.SUPPRESS)
     parser.add_argument("--dump", help=argparse.SUPPRESS)  # write the raw results (JSON)
@@ -723,6 +727,11 @@ def _result(measure: str, ratio: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.first_step:
+        import first_step
+
+        first_step.main(["--quick"] if args.quick else [])
+        return
     if args.side == "tf":
         print(json.dumps(run_tf(args)))
         return

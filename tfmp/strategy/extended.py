@@ -23,6 +23,7 @@ from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_host, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
+from tfmp.strategy.small_batch_values import restored
 from tfmp.strategy.sparse_division import sparse_update_on
 from tfmp.strategy.stage_hooks import StageHooks
 from tfmp.strategy.undivided import UndividedDimensions
@@ -393,7 +394,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         distribute_lib._require_cross_replica_or_default_context_extended(self)  # noqa: SLF001
-        kwargs = kwargs or {}
+        args, kwargs = restored((args, kwargs or {}))
         self.apply_custom_loop_auto_layouts()
         if not self._keras_methods:
             with tf.init_scope():  # a custom loop's step: before it runs

@@ -22,6 +22,7 @@ from tfmp import distributed
 from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.graph_input import GraphBatches
 from tfmp.strategy.placement import BatchPlacer, pack
+from tfmp.strategy.small_batch_values import packed_for_step
 
 _HOST = "CPU:0"
 
@@ -393,7 +394,7 @@ class OnDemandIterator:
         divides = rows is None or rows % self._placer.batch_parts == 0
         self._undivided_rows = None if divides else rows
         self._first_step_graphs.on_batch()
-        return pack(self._placer.split_batch(batch))
+        return packed_for_step(self._placer.split_batch(batch))
 
     def _read_host(self) -> Any:
         try:
