@@ -37,26 +37,41 @@ _EARLY_NATIVE_LOG = re.compile(
 # TensorFlow ops DTensor has no layout rule for ("does not implement layout
 # propagation"), which it runs replicated (inputs gathered, the whole result
 # on every device) once `DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF.<OP IN
-# CAPITALS>` is set, to anything. The stateless draws of `tf.random`
-# (`stateless_gamma`, `stateless_poisson`, `stateless_binomial`,
-# `stateless_categorical`, `stateless_parameterized_truncated_normal`) and
-# Keras' `random.gamma`, `beta`, `binomial` and `categorical` then draw the
-# whole tensor from the same seed on every device: one device's numbers.
-# TensorFlow's stateful Poisson kernel, seeded alike on every device by
-# `tfmp.lowering.random`, and a `tf.random.Generator`'s binomial, whose state
-# variable is replicated, draw the same numbers on every device too.
-# Measured: DTensor reads a switch when it compiles the op, and once one
-# compile had it the op stays enrolled for the process; so
-# `tests/test_user_tf_ops.py` checks in a fresh process that each op still
-# needs it.
+# CAPITALS>` is set, to anything. DTensor has no switch for every op at once
+# (its registry looks the op's name up), so each op is named here, with why a
+# model runs it. Measured: DTensor reads a switch when it compiles the op, and
+# once one compile had it the op stays enrolled for the process; so
+# `tests/test_canaries.py` checks in a fresh process that each op still needs
+# it. A step in which one of them gets a split input says so once
+# (`tfmp.strategy.replicated_ops`), and `tfmp.comm_report` counts the gather.
 REPLICATED_OPS = (
+    # The stateless draws of `tf.random` (`stateless_gamma`, `stateless_poisson`,
+    # `stateless_binomial`, `stateless_categorical`,
+    # `stateless_parameterized_truncated_normal`) and Keras' `random.gamma`,
+    # `beta`, `binomial` and `categorical` then draw the whole tensor from the
+    # same seed on every device: one device's numbers.
     "StatelessRandomGammaV3",
     "StatelessRandomPoisson",
     "StatelessRandomBinomial",
     "StatelessMultinomial",
     "StatelessParameterizedTruncatedNormal",
+    # TensorFlow's stateful Poisson kernel, seeded alike on every device by
+    # `tfmp.lowering.random`, and a `tf.random.Generator`'s binomial, whose
+    # state variable is replicated, draw the same numbers on every device too.
     "RandomPoissonV2",
     "StatefulRandomBinomial",
+    # `keras.ops.tril` and `triu` (a causal mask built from a tensor).
+    "MatrixBandPart",
+    # `keras.ops.eye` (Qwen 3.5's gated delta net adds `ops.eye(chunk_size)`).
+    "MatrixDiagV3",
+    # Keras' image warps (RandomRotation, RandomZoom, RandomTranslation,
+    # RandomShear, RandomPerspective): the warp, the inverse transforms of its
+    # gradient, and RandomPerspective's homography (`tf.linalg.solve`).
+    # Replicated, the kernels ran faster on 2x4 CPU devices than tfmp's
+    # gathers did (`bench/generic_path.py`).
+    "ImageProjectiveTransformV3",
+    "MatrixInverse",
+    "MatrixSolve",
 )
 REPLICATED_BY_DEFAULT = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."
 

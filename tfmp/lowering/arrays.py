@@ -1,11 +1,12 @@
-"""Triangles, rolls, sorts and transposes written with ops DTensor lays out.
+"""Rolls, sorts and transposes written with ops DTensor lays out.
 
-- `tril`/`triu` are `MatrixBandPart`, which DTensor has no layout rule for
-  ("'tf.MatrixBandPart' op does not implement layout propagation"): a causal
-  mask built from a tensor. On a mesh they keep the entries where
-  `column - row` lies in the band, selected elementwise.
-- `roll` is `tf.roll`, which has no layout rule either: on a mesh it is a
-  gather of the rolled positions along each axis.
+- `roll` is `tf.roll`, which DTensor has no layout rule for. Run replicated
+  by DTensor's switch (`tfmp._env.REPLICATED_OPS`), it fails on a tensor
+  split over two mesh axes: DTensor gathers both axes in one relayout,
+  which its gather lowering (`LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2`,
+  set by tfmp) cannot do ("'tf.Reshape' op requires 'output' number of
+  elements to match"). On a mesh it is a gather of the rolled positions
+  along each axis.
 - `sort` and `argsort` run `TopKV2`, whose outputs DTensor refuses split
   on the sorted dimension ("The last dimensions of TopKV2Op outputs should
   be UNSHARDED"), which layout propagation asks for when a split tensor is
@@ -34,23 +35,6 @@ from tfmp.lowering.joins import read_whole_along
 from tfmp.lowering.registry import Lowering, keras_original
 
 _KERAS_NUMPY = "keras.src.backend.tensorflow.numpy"
-
-
-def tril(x: Any, k: Any = 0) -> tf.Tensor:
-    """`keras.ops.tril`: the entries on and below the `k`-th diagonal."""
-    x = convert_to_tensor(x)
-    return tf.where(_diagonal_offsets(x) <= tf.cast(k, "int32"), x, tf.zeros([], x.dtype))
-
-
-def triu(x: Any, k: Any = 0) -> tf.Tensor:
-    """`keras.ops.triu`: the entries on and above the `k`-th diagonal."""
-    x = convert_to_tensor(x)
-    return tf.where(_diagonal_offsets(x) >= tf.cast(k, "int32"), x, tf.zeros([], x.dtype))
-
-
-def _diagonal_offsets(x: tf.Tensor) -> tf.Tensor:
-    """`column - row` of each entry of `x`'s last two dimensions."""
-    return tf.range(_length(x, -1))[None, :] - tf.range(_length(x, -2))[:, None]
 
 
 def _length(x: tf.Tensor, dim: int) -> Any:
@@ -114,12 +98,14 @@ def transpose(x: Any, axes: Any = None) -> tf.Tensor:
     return tf.einsum(f"{letters}->{''.join(letters[axis] for axis in order)}", x)
 
 
-_NO_RULE = "has no DTensor layout propagation"
-
 LOWERINGS = (
-    Lowering(_KERAS_NUMPY, "tril", f"{__name__}:tril", f"MatrixBandPart {_NO_RULE}"),
-    Lowering(_KERAS_NUMPY, "triu", f"{__name__}:triu", f"MatrixBandPart {_NO_RULE}"),
-    Lowering(_KERAS_NUMPY, "roll", f"{__name__}:roll", f"Roll {_NO_RULE}"),
+    Lowering(
+        _KERAS_NUMPY,
+        "roll",
+        f"{__name__}:roll",
+        "Roll has no layout rule, and DTensor's replicated default for it gathers two "
+        "mesh axes at once, which its collective gather lowering refuses",
+    ),
     Lowering(
         _KERAS_NUMPY,
         "transpose",

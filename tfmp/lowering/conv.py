@@ -2,8 +2,10 @@
 
 DTensor's own convolutions refuse split kernels on CPU and GPU ("Filter for
 convolution must have fully replicated layout"), split input channels, and
-transposed convolutions of anything but a batch split; the depthwise kernel
-gradient has no layout propagation at all. Written as
+transposed convolutions of anything but a batch split; the depthwise
+convolution expands a batch split only, and its gradients have no layout
+rule (run replicated by DTensor's switch, they work for a batch split, not
+for split channels). Written as
 
     y = sum over taps t of einsum(x shifted by t, kernel[t])
 
@@ -795,11 +797,13 @@ LOWERINGS: tuple[Lowering, ...] = (
     _lowering("conv", "Conv refuses a split kernel or split input channels"),
     _lowering(
         "depthwise_conv",
-        "DepthwiseConv2dNativeBackpropFilter has no layout propagation",
+        "DepthwiseConv2dNative expands a batch split only (split channels fail), and its "
+        "gradients have no layout rule",
     ),
     _lowering(
         "separable_conv",
-        "DepthwiseConv2dNativeBackpropFilter has no layout propagation",
+        "DepthwiseConv2dNative expands a batch split only (split channels fail), and its "
+        "gradients have no layout rule",
     ),
     _lowering("conv_transpose", "Conv2DBackpropInput takes batch-parallel layouts only"),
 )

@@ -2,9 +2,10 @@
 
 DTensor has no layout propagation for the gradient of average pooling
 (`AvgPoolGrad`, `AvgPool3DGrad`), so no model with an `AveragePooling` layer
-trains on a mesh, not even a batch split; and it expands `MaxPool` for a
-batch split only, so a max pooling after a conv split over its filters
-fails. Written over the window's taps,
+trains on a mesh unless they run replicated (DTensor's switch: a batch split
+then trains, four times faster than the taps below on 2x4 CPU devices,
+`bench/generic_path.py`); and it expands `AvgPool` and `MaxPool` for a batch
+split only, so a pooling after a conv split over its filters fails. Written over the window's taps,
 
     y = max (or mean) over taps t of x shifted by t
 
@@ -156,7 +157,8 @@ LOWERINGS: tuple[Lowering, ...] = (
         "keras.src.backend.tensorflow.nn",
         "average_pool",
         f"{__name__}:average_pool",
-        "AvgPoolGrad and AvgPool3DGrad have no layout propagation",
+        "AvgPool expands a batch split only (channels split by a conv's filters fail), "
+        "and AvgPoolGrad and AvgPool3DGrad have no layout rule",
     ),
     Lowering(
         "keras.src.backend.tensorflow.nn",

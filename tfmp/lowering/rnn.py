@@ -3,8 +3,9 @@
 Keras' TensorFlow backend runs a recurrence as a `tf.while_loop` over
 TensorArrays, whose TensorList ops (and those of while_v2's gradient) DTensor
 cannot lay out; it reverses sequences with `ReverseV2`, which DTensor cannot
-lay out either; on a GPU its LSTM and GRU call cuDNN kernels DTensor cannot
-expand; and DTensor's `Split` refuses the gate dimension of an LSTM or GRU
+lay out either (nor run replicated when the input is split over two mesh
+axes: `tfmp.lowering.arrays` says why); on a GPU its LSTM and GRU call cuDNN
+kernels DTensor cannot expand; and DTensor's `Split` refuses the gate dimension of an LSTM or GRU
 whose kernel columns are split over the mesh. On a mesh, tfmp unrolls the
 recurrence over its static time steps (Keras' own `unroll=True` path: unstack,
 Python loop, stack), keeps LSTM and GRU on that generic path, reverses with a
@@ -238,7 +239,10 @@ def _reversed_indices(x: tf.Tensor, axis: int) -> tf.Tensor:
     return tf.range(length - 1, -1, -1)
 
 
-_REVERSE_V2 = "tf.reverse (ReverseV2) has no DTensor layout propagation"
+_REVERSE_V2 = (
+    "ReverseV2 has no layout rule, and DTensor's replicated default for it gathers two "
+    "mesh axes at once, which its collective gather lowering refuses"
+)
 
 LOWERINGS: tuple[Lowering, ...] = (
     Lowering(

@@ -1,0 +1,170 @@
+"""Ops DTensor has no layout rule for: run replicated by DTensor's switch, or
+rewritten by `tfmp.lowering`, side by side in one process.
+
+For each op, forward and gradient on a 2x4 ("batch", "model") mesh of 8 CPU
+devices, the input split as a model splits it, each way timed (median of
+interleaved calls) and checked against one device; the replicated op is
+timed twice, in two functions, the yardstick of the machine's noise. An op whose rewrite was
+deleted (the replicated op was as fast or faster) runs replicated only; the
+numbers of both ways are in docs/layouts.md.
+
+    PYTHONPATH=$PWD python bench/generic_path.py [--calls 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+# The switch for every op that a case runs without tfmp's rewrite.
+_NO_RULE_OPS = (
+    "MatrixBandPart", "Roll", "ReverseV2", "MatrixDiagV3", "ImageProjectiveTransformV3",
+    "MatrixInverse", "MatrixSolve", "AvgPoolGrad", "AvgPool3DGrad",
+    "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput",
+)
+for _op in _NO_RULE_OPS:
+    os.environ["DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF." + _op.upper()] = "1"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+import tfmp  # noqa: E402
+
+tfmp.simulate_devices(8)
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from tensorflow.experimental import dtensor  # noqa: E402
+
+from tfmp.forward import forward_on  # noqa: E402
+from tfmp.lowering import registry  # noqa: E402
+
+U = dtensor.UNSHARDED
+
+
+def _cases(rng: np.random.Generator) -> list[dict]:
+    rows = rng.normal(size=(8, 64, 64)).astype("float32")
+    depthwise_kernel = rng.normal(size=(3, 3, 8, 1)).astype("float32")
+    images = rng.uniform(size=(8, 32, 32, 8)).astype("float32")
+    transforms = np.tile(np.array([[0.9, 0.1, 1.5, -0.1, 1.1, -2.0, 0.0, 0.0]], "float32"), (8, 1))
+    start = np.tile(np.array([[[0, 0], [31, 0], [31, 31], [0, 31]]], "float32"), (8, 1, 1))
+    end = start + rng.uniform(-2, 2, size=start.shape).astype("float32")
+    return [
+        dict(name="tril", fn=("numpy", "tril"), args=lambda x: (x, -1), x=rows, spec=["batch", "model", U]),
+        dict(name="triu", fn=("numpy", "triu"), args=lambda x: (x, 2), x=rows, spec=["batch", "model", U]),
+        dict(name="tril (columns)", fn=("numpy", "tril"), args=lambda x: (x, -1), x=rows,
+             spec=["batch", U, "model"]),
+        dict(name="roll", fn=("numpy", "roll"), args=lambda x: (x, 3, 1), x=rows, spec=["batch", "model", U]),
+        dict(name="flip", fn=("numpy", "flip"), args=lambda x: (x, 1), x=rows, spec=["batch", "model", U]),
+        dict(name="eye", fn=("numpy", "eye"), args=lambda x: (64,), x=rows, spec=["batch", "model", U],
+             combine=lambda x, y: x * y),
+        dict(name="affine_transform", fn=("image", "affine_transform"),
+             args=lambda x: (x, tf.constant(transforms), "bilinear", "reflect"), x=images,
+             spec=["batch", U, U, U]),
+        dict(name="affine_transform (channels)", fn=("image", "affine_transform"),
+             args=lambda x: (x, tf.constant(transforms), "nearest", "wrap"), x=images,
+             spec=["batch", U, U, "model"]),
+        dict(name="perspective_transform", fn=("image", "perspective_transform"),
+             args=lambda x: (x, tf.constant(start), tf.constant(end)), x=images, spec=["batch", U, U, U]),
+        dict(name="average_pool (batch)", fn=("nn", "average_pool"),
+             args=lambda x: (x, 2, 2, "valid"), x=images, spec=["batch", U, U, U]),
+        dict(name="average_pool (channels)", fn=("nn", "average_pool"),
+             args=lambda x: (x, 2, 2, "valid"), x=images, spec=["batch", U, U, "model"]),
+        dict(name="depthwise_conv (batch)", fn=("nn", "depthwise_conv"),
+             args=lambda x: (x, tf.constant(depthwise_kernel)),
+             x=images, spec=["batch", U, U, U]),
+        dict(name="depthwise_conv (channels)", fn=("nn", "depthwise_conv"),
+             args=lambda x: (x, tf.constant(depthwise_kernel)),
+             x=images, spec=["batch", U, U, "model"]),
+    ]
+
+
+def _functions(case: dict) -> dict:
+    family, name = case["fn"]
+    module = f"keras.src.backend.tensorflow.{family}"
+    replicated = registry.keras_original(module, name)
+    # The same op traced again: the spread of two timings of one thing.
+    ways = {"replicated": replicated, "replicated again": replicated}
+    for lowering in registry.lowerings():
+        if (lowering.module, lowering.name) == (module, name):
+            ways["rewrite"] = lowering.resolve()[1]
+    return ways
+
+
+def _step(fn, case: dict, mesh, weights):
+    combine = case.get("combine", lambda x, y: y)
+
+    def forward_and_gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with forward_on(mesh):
+                y = combine(x, fn(*case["args"](x)))
+            loss = tf.reduce_sum(y * weights)
+        return y, tape.gradient(loss, x)
+
+    return tf.function(forward_and_gradient)
+
+
+def _whole(value: tf.Tensor, mesh) -> tf.Tensor:
+    """`value` replicated, gathered one mesh axis at a time (tfmp's real
+    gathers take one axis per relayout), eagerly."""
+    spec = list(dtensor.fetch_layout(value).sharding_specs)
+    for dim, axis in enumerate(spec):
+        if axis != U:
+            spec[dim] = U
+            value = dtensor.relayout(value, dtensor.Layout(spec, mesh))
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=20)
+    options = parser.parse_args()
+    mesh = tfmp.DeviceMesh((2, 4), ("batch", "model")).dtensor_mesh
+    registry.install()
+    rng = np.random.default_rng(0)
+    results = []
+    for case in _cases(rng):
+        x = tf.constant(case["x"])
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            one_y = case.get("combine", lambda x, y: y)(x, _functions(case)["replicated"](*case["args"](x)))
+        weights = rng.normal(size=one_y.shape).astype("float32")
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            one_y = case.get("combine", lambda x, y: y)(x, _functions(case)["replicated"](*case["args"](x)))
+            loss = tf.reduce_sum(one_y * weights)
+        one_dx = tape.gradient(loss, x).numpy()
+        on_mesh = dtensor.relayout(
+            dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh, x.shape.rank)),
+            dtensor.Layout(case["spec"], mesh),
+        )
+        mesh_weights = dtensor.copy_to_mesh(tf.constant(weights), dtensor.Layout.replicated(mesh, weights.ndim))
+        row = {"op": case["name"]}
+        steps = {}
+        for way, fn in _functions(case).items():
+            try:
+                steps[way] = _step(fn, case, mesh, mesh_weights)
+                y, dx = (_whole(t, mesh) for t in steps[way](on_mesh))
+                row[f"{way} max |dy|"] = float(np.max(np.abs(y.numpy() - one_y.numpy())))
+                row[f"{way} max |dx|"] = float(np.max(np.abs(dx.numpy() - one_dx)))
+            except Exception as error:  # noqa: BLE001 (a way that fails is a result)
+                steps.pop(way, None)
+                row[way] = f"fails: {str(error).splitlines()[0][:160]}"
+        times = {way: [] for way in steps}
+        for _ in range(options.calls):
+            for way, step in steps.items():
+                start = time.perf_counter()
+                for shard in dtensor.unpack(step(on_mesh)[1]):
+                    shard.numpy()
+                times[way].append(time.perf_counter() - start)
+        for way, samples in times.items():
+            row[f"{way} ms"] = round(1000 * statistics.median(samples), 2)
+        print(json.dumps(row), flush=True)
+        results.append(row)
+
+
+if __name__ == "__main__":
+    main()
