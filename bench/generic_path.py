@@ -3,10 +3,12 @@ rewritten by `tfmp.lowering`, side by side in one process.
 
 For each op, forward and gradient on a 2x4 ("batch", "model") mesh of 8 CPU
 devices, the input split as a model splits it, each way timed (median of
-interleaved calls) and checked against one device; the replicated op is
-timed twice, in two functions, the yardstick of the machine's noise. An op whose rewrite was
-deleted (the replicated op was as fast or faster) runs replicated only; the
-numbers of both ways are in docs/layouts.md.
+interleaved calls) and checked against one device: "raw", the op replicated
+by DTensor's switch, which gathers its inputs itself; "raw again", the same
+in another function (the machine's noise); "gathered", the inputs gathered
+one mesh axis at a time first (`tfmp.lowering.replicated`); "rewrite", an
+op-specific form of `tfmp.lowering` where one exists. docs/layouts.md has the
+numbers of a run.
 
     PYTHONPATH=$PWD python bench/generic_path.py [--calls 20]
 """
@@ -19,7 +21,7 @@ import os
 import statistics
 import time
 
-# The switch for every op that a case runs without tfmp's rewrite.
+# The switch for every op that a case runs replicated.
 _NO_RULE_OPS = (
     "MatrixBandPart", "Roll", "ReverseV2", "MatrixDiagV3", "ImageProjectiveTransformV3",
     "MatrixInverse", "MatrixSolve", "AvgPoolGrad", "AvgPool3DGrad",
@@ -40,6 +42,7 @@ from tensorflow.experimental import dtensor  # noqa: E402
 
 from tfmp.forward import forward_on  # noqa: E402
 from tfmp.lowering import registry  # noqa: E402
+from tfmp.lowering.replicated import gathered_first  # noqa: E402
 
 U = dtensor.UNSHARDED
 
@@ -84,11 +87,13 @@ def _cases(rng: np.random.Generator) -> list[dict]:
 def _functions(case: dict) -> dict:
     family, name = case["fn"]
     module = f"keras.src.backend.tensorflow.{family}"
-    replicated = registry.keras_original(module, name)
-    # The same op traced again: the spread of two timings of one thing.
-    ways = {"replicated": replicated, "replicated again": replicated}
+    raw = registry.keras_original(module, name)
+    # The raw op traced again: the spread of two timings of one thing.
+    ways = {"raw": raw, "raw again": raw, "gathered": gathered_first(module, name, case["name"].split()[0])}
     for lowering in registry.lowerings():
-        if (lowering.module, lowering.name) == (module, name):
+        if (lowering.module, lowering.name) == (module, name) and lowering.replacement.split(":")[0] != (
+            "tfmp.lowering.replicated"
+        ):
             ways["rewrite"] = lowering.resolve()[1]
     return ways
 
@@ -130,11 +135,11 @@ def main() -> None:
         x = tf.constant(case["x"])
         with tf.GradientTape() as tape:
             tape.watch(x)
-            one_y = case.get("combine", lambda x, y: y)(x, _functions(case)["replicated"](*case["args"](x)))
+            one_y = case.get("combine", lambda x, y: y)(x, _functions(case)["raw"](*case["args"](x)))
         weights = rng.normal(size=one_y.shape).astype("float32")
         with tf.GradientTape() as tape:
             tape.watch(x)
-            one_y = case.get("combine", lambda x, y: y)(x, _functions(case)["replicated"](*case["args"](x)))
+            one_y = case.get("combine", lambda x, y: y)(x, _functions(case)["raw"](*case["args"](x)))
             loss = tf.reduce_sum(one_y * weights)
         one_dx = tape.gradient(loss, x).numpy()
         on_mesh = dtensor.relayout(

@@ -126,8 +126,15 @@ ONE = on_mesh(1.0)
 SEED = tf.constant([1, 2])
 
 
+# Lowerings that exist because an op has no rule (faster than the op replicated).
+_ALSO_FOR = {"MatrixBandPart": ("numpy.tril", "numpy.triu")}
+
+
 def _no_rule_probe(op: str, run: Callable[[tf.Tensor], Any]) -> None:
-    @probe(op, f'"{op}" from tfmp._env.REPLICATED_OPS')
+    also = _ALSO_FOR.get(op, ())
+    remove = f'"{op}" from tfmp._env.REPLICATED_OPS' + "".join(f", the {name} lowering" for name in also)
+
+    @probe(op, remove, covers=also)
     def check():
         return refusal(run, ONE, says=NO_RULE)
 
@@ -154,6 +161,8 @@ for _op, _run in {
     ),
     "MatrixInverse": lambda a: tf.linalg.inv(_SQUARE * a),
     "MatrixSolve": lambda a: tf.linalg.solve(_SQUARE * a, [[1.0], [2.0]]),
+    "Roll": lambda a: tf.roll(_SQUARE * a, 1, axis=1),
+    "ReverseV2": lambda a: tf.reverse(_SQUARE * a, [1]),
 }.items():
     _no_rule_probe(_op, _run)
 
@@ -162,19 +171,6 @@ IMAGES = RNG.normal(size=(4, 5, 5, 8)).astype("float32")
 SPLIT_ROWS = on_mesh(ROWS, "batch", "model")
 SPLIT_CHANNELS = on_mesh(IMAGES, "batch", U, U, "model")
 SPLIT_BATCH = on_mesh(IMAGES, "batch", U, U, U)
-
-
-@probe("numpy.roll", "the roll lowering (tfmp/lowering/arrays.py)")
-def _roll():
-    return refusal(lambda x: tf.roll(x, 1, axis=1), SPLIT_ROWS, says=NO_RULE)
-
-
-@probe(
-    "numpy.flip", "the flip, fliplr and flipud lowerings (tfmp/lowering/rnn.py)",
-    covers=("numpy.fliplr", "numpy.flipud"),
-)
-def _flip():
-    return refusal(lambda x: tf.reverse(x, [1]), SPLIT_ROWS, says=NO_RULE)
 
 
 @probe("nn.conv", "the conv lowering (tfmp/lowering/conv.py)")
@@ -336,11 +332,14 @@ def _enrolled(op: str) -> None:
 
 # After the probes above: DTensor keeps an op's switch for the process once
 # it compiled the op with it.
-@probe("numpy.roll (replicated)", "the roll, flip, fliplr and flipud lowerings (they would run replicated)")
+@probe(
+    "numpy.roll", "the gathering of tfmp/lowering/replicated.py (DTensor's own gather would do)",
+    covers=("numpy.flip", "numpy.fliplr", "numpy.flipud", "image.affine_transform", "image.perspective_transform"),
+)
 def _replicated_gathers_two_axes():
     _enrolled("Roll")
-    volume = on_mesh(RNG.normal(size=(4, 8, 8)).astype("float32"), "batch", "model", U)
-    return refusal(lambda x: tf.roll(x, 1, axis=1), volume, says="number of elements to match")
+    scores = on_mesh(RNG.normal(size=(4, 8, 8)).astype("float32"), "batch", "model", U)
+    return refusal(lambda x: tf.roll(x, 1, axis=1), scores, says="number of elements to match")
 
 
 @probe("nn.average_pool (gradient)", "the average_pool lowering, for a batch split (4x slower)")

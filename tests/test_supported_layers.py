@@ -327,7 +327,7 @@ def render_page() -> str:
         "The image warps (`RandomRotation`, `RandomZoom`, `RandomTranslation`,",
         "`RandomShear`, `RandomPerspective`) run TensorFlow's own",
         "`ImageProjectiveTransformV3`, which DTensor has no layout rule for,",
-        "replicated (the images gathered; `tfmp._env.REPLICATED_OPS`); each row",
+        "replicated (the images gathered; `tfmp/lowering/replicated.py`); each row",
         "takes another interpolation and fill mode, and",
         "`tests/test_lowering_image.py` checks values and gradients on the mesh,",
         "and trains RandomCrop and RandomRotation after a Dense on an 8x1 mesh.",

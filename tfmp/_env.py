@@ -42,8 +42,9 @@ _EARLY_NATIVE_LOG = re.compile(
 # model runs it. Measured: DTensor reads a switch when it compiles the op, and
 # once one compile had it the op stays enrolled for the process; so
 # `tests/test_canaries.py` checks in a fresh process that each op still needs
-# it. A step in which one of them gets a split input says so once
-# (`tfmp.strategy.replicated_ops`), and `tfmp.comm_report` counts the gather.
+# it. A first step in which `tfmp.lowering.replicated` gathers a split input
+# for one of them says so once (`tfmp.strategy.replicated_ops`), and
+# `tfmp.comm_report` counts the gather.
 REPLICATED_OPS = (
     # The stateless draws of `tf.random` (`stateless_gamma`, `stateless_poisson`,
     # `stateless_binomial`, `stateless_categorical`,
@@ -60,18 +61,24 @@ REPLICATED_OPS = (
     # state variable is replicated, draw the same numbers on every device too.
     "RandomPoissonV2",
     "StatefulRandomBinomial",
-    # `keras.ops.tril` and `triu` (a causal mask built from a tensor).
-    "MatrixBandPart",
-    # `keras.ops.eye` (Qwen 3.5's gated delta net adds `ops.eye(chunk_size)`).
-    "MatrixDiagV3",
-    # Keras' image warps (RandomRotation, RandomZoom, RandomTranslation,
-    # RandomShear, RandomPerspective): the warp, the inverse transforms of its
-    # gradient, and RandomPerspective's homography (`tf.linalg.solve`).
-    # Replicated, the kernels ran faster on 2x4 CPU devices than tfmp's
-    # gathers did (`bench/generic_path.py`).
+    # Run by `tfmp.lowering.replicated` on inputs gathered one mesh axis at a
+    # time: `keras.ops.roll`, `flip`, `fliplr` and `flipud`, and Keras' image
+    # warps (RandomRotation, RandomZoom, RandomTranslation, RandomShear,
+    # RandomPerspective), with `MatrixInverse` for the warp's gradient and
+    # `MatrixSolve` for RandomPerspective's homography (`tf.linalg.solve`).
+    # As fast or faster than tfmp's former rewrites on 2x4 CPU devices
+    # (`bench/generic_path.py`, docs/layouts.md).
+    "Roll",
+    "ReverseV2",
     "ImageProjectiveTransformV3",
     "MatrixInverse",
     "MatrixSolve",
+    # User code's `tf.linalg.band_part` (`keras.ops.tril` and `triu` have
+    # tfmp's faster rewrite, `tfmp.lowering.arrays`).
+    "MatrixBandPart",
+    # `keras.ops.eye`, which has no tensor input to gather (Qwen 3.5's gated
+    # delta net adds `ops.eye(chunk_size)`).
+    "MatrixDiagV3",
 )
 REPLICATED_BY_DEFAULT = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."
 

@@ -1,12 +1,11 @@
-"""Rolls, sorts and transposes written with ops DTensor lays out.
+"""Triangles, sorts and transposes written with ops DTensor lays out.
 
-- `roll` is `tf.roll`, which DTensor has no layout rule for. Run replicated
-  by DTensor's switch (`tfmp._env.REPLICATED_OPS`), it fails on a tensor
-  split over two mesh axes: DTensor gathers both axes in one relayout,
-  which its gather lowering (`LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2`,
-  set by tfmp) cannot do ("'tf.Reshape' op requires 'output' number of
-  elements to match"). On a mesh it is a gather of the rolled positions
-  along each axis.
+- `tril`/`triu` are `MatrixBandPart`, which DTensor has no layout rule for
+  ("'tf.MatrixBandPart' op does not implement layout propagation"): a causal
+  mask built from a tensor. Run replicated (`tfmp.lowering.replicated`), it
+  gathers its input; on a mesh tfmp keeps the entries where `column - row`
+  lies in the band, selected elementwise: no communication, and faster
+  (`bench/generic_path.py`).
 - `sort` and `argsort` run `TopKV2`, whose outputs DTensor refuses split
   on the sorted dimension ("The last dimensions of TopKV2Op outputs should
   be UNSHARDED"), which layout propagation asks for when a split tensor is
@@ -27,7 +26,6 @@ from __future__ import annotations
 import string
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow.core import convert_to_tensor
 
@@ -37,28 +35,26 @@ from tfmp.lowering.registry import Lowering, keras_original
 _KERAS_NUMPY = "keras.src.backend.tensorflow.numpy"
 
 
+def tril(x: Any, k: Any = 0) -> tf.Tensor:
+    """`keras.ops.tril`: the entries on and below the `k`-th diagonal."""
+    x = convert_to_tensor(x)
+    return tf.where(_diagonal_offsets(x) <= tf.cast(k, "int32"), x, tf.zeros([], x.dtype))
+
+
+def triu(x: Any, k: Any = 0) -> tf.Tensor:
+    """`keras.ops.triu`: the entries on and above the `k`-th diagonal."""
+    x = convert_to_tensor(x)
+    return tf.where(_diagonal_offsets(x) >= tf.cast(k, "int32"), x, tf.zeros([], x.dtype))
+
+
+def _diagonal_offsets(x: tf.Tensor) -> tf.Tensor:
+    """`column - row` of each entry of `x`'s last two dimensions."""
+    return tf.range(_length(x, -1))[None, :] - tf.range(_length(x, -2))[:, None]
+
+
 def _length(x: tf.Tensor, dim: int) -> Any:
     """`x`'s length along `dim`: static where known, else read in the step."""
     return x.shape[dim] if x.shape[dim] is not None else tf.shape(x)[dim]
-
-
-def roll(x: Any, shift: Any, axis: Any = None) -> tf.Tensor:
-    """`keras.ops.roll` as a gather of `(position - shift) mod length` along
-    each axis. A shift or axis computed in the step is Keras' own."""
-    x = convert_to_tensor(x)
-    shifts, axes = tf.get_static_value(shift), tf.get_static_value(axis)
-    if shifts is None or (axis is not None and axes is None):
-        return keras_original(_KERAS_NUMPY, "roll")(x, shift, axis)
-    if axis is None:
-        flat = tf.reshape(x, [-1])
-        return tf.reshape(roll(flat, shift, 0), tf.shape(x))
-    shifts, axes = np.reshape(shifts, [-1]).tolist(), np.reshape(axes, [-1]).tolist()
-    if len(shifts) == 1:
-        shifts = shifts * len(axes)
-    for dim, amount in zip(axes, shifts):
-        length = _length(x, dim)
-        x = tf.gather(x, (tf.range(length) - amount) % length, axis=dim)
-    return x
 
 
 def argsort(x: Any, axis: int | None = -1) -> tf.Tensor:
@@ -101,10 +97,17 @@ def transpose(x: Any, axes: Any = None) -> tf.Tensor:
 LOWERINGS = (
     Lowering(
         _KERAS_NUMPY,
-        "roll",
-        f"{__name__}:roll",
-        "Roll has no layout rule, and DTensor's replicated default for it gathers two "
-        "mesh axes at once, which its collective gather lowering refuses",
+        "tril",
+        f"{__name__}:tril",
+        "MatrixBandPart has no layout rule; replicated, it gathers its input and was "
+        "slower (bench/generic_path.py)",
+    ),
+    Lowering(
+        _KERAS_NUMPY,
+        "triu",
+        f"{__name__}:triu",
+        "MatrixBandPart has no layout rule; replicated, it gathers its input and was "
+        "slower (bench/generic_path.py)",
     ),
     Lowering(
         _KERAS_NUMPY,

@@ -55,6 +55,7 @@ _FAMILIES = (
     "tfmp.lowering.elementwise",
     "tfmp.lowering.arrays",
     "tfmp.lowering.loops",
+    "tfmp.lowering.replicated",
 )
 
 
