@@ -162,6 +162,14 @@ for _op, _run in {
     "MatrixInverse": lambda a: tf.linalg.inv(_SQUARE * a),
     "MatrixSolve": lambda a: tf.linalg.solve(_SQUARE * a, [[1.0], [2.0]]),
     "Roll": lambda a: tf.roll(_SQUARE * a, 1, axis=1),
+    "AvgPoolGrad": lambda a: tf.raw_ops.AvgPoolGrad(
+        orig_input_shape=[1, 4, 4, 1], grad=tf.ones([1, 2, 2, 1]) * a, ksize=[1, 2, 2, 1],
+        strides=[1, 2, 2, 1], padding="VALID",
+    ),
+    "AvgPool3DGrad": lambda a: tf.raw_ops.AvgPool3DGrad(
+        orig_input_shape=[1, 2, 2, 2, 1], grad=tf.ones([1, 1, 1, 1, 1]) * a, ksize=[1, 2, 2, 2, 1],
+        strides=[1, 2, 2, 2, 1], padding="VALID",
+    ),
     "ReverseV2": lambda a: tf.reverse(_SQUARE * a, [1]),
 }.items():
     _no_rule_probe(_op, _run)
@@ -252,7 +260,7 @@ def _backward_slice():
     return wrong_values(lambda x: x[:, ::-1] * 1.0, ROWS, specs=[("batch", "model")])
 
 
-@probe("nn.average_pool", "the average_pool lowering (tfmp/lowering/pooling.py)")
+@probe("nn.average_pool", "the gathering of average_pool's input (tfmp/lowering/replicated.py)")
 def _average_pool():
     return refusal(lambda x: tf.nn.avg_pool2d(x, 2, 2, "VALID"), SPLIT_CHANNELS, says="must be batch parallel")
 
@@ -340,11 +348,6 @@ def _replicated_gathers_two_axes():
     _enrolled("Roll")
     scores = on_mesh(RNG.normal(size=(4, 8, 8)).astype("float32"), "batch", "model", U)
     return refusal(lambda x: tf.roll(x, 1, axis=1), scores, says="number of elements to match")
-
-
-@probe("nn.average_pool (gradient)", "the average_pool lowering, for a batch split (4x slower)")
-def _average_pool_gradient():
-    return refusal(gradient_of(lambda x: tf.nn.avg_pool2d(x, 2, 2, "VALID")), SPLIT_BATCH, says=NO_RULE)
 
 
 @probe("nn.depthwise_conv (gradient)", "the depthwise_conv lowering, for a batch split (50x slower)")

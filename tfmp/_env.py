@@ -73,6 +73,11 @@ REPLICATED_OPS = (
     "ImageProjectiveTransformV3",
     "MatrixInverse",
     "MatrixSolve",
+    # The gradients of `keras.ops.average_pool` (AveragePooling1D/2D/3D), run
+    # by `tfmp.lowering.replicated` too: faster than tfmp's former sum over
+    # the window's taps.
+    "AvgPoolGrad",
+    "AvgPool3DGrad",
     # User code's `tf.linalg.band_part` (`keras.ops.tril` and `triu` have
     # tfmp's faster rewrite, `tfmp.lowering.arrays`).
     "MatrixBandPart",

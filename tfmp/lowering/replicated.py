@@ -31,6 +31,7 @@ from tfmp.lowering.registry import Lowering, keras_original
 
 _KERAS_NUMPY = "keras.src.backend.tensorflow.numpy"
 _KERAS_IMAGE = "keras.src.backend.tensorflow.image"
+_KERAS_NN = "keras.src.backend.tensorflow.nn"
 
 
 def gathered_first(module: str, name: str, op: str) -> Callable:
@@ -55,28 +56,34 @@ def gathered_first(module: str, name: str, op: str) -> Callable:
     return lowered
 
 
-# (module, function, the op DTensor has no rule for, first Keras release).
-_FUNCTIONS = (
-    (_KERAS_NUMPY, "roll", "Roll", "3.12"),
-    (_KERAS_NUMPY, "flip", "ReverseV2", "3.12"),
-    (_KERAS_NUMPY, "fliplr", "ReverseV2", "3.14"),
-    (_KERAS_NUMPY, "flipud", "ReverseV2", "3.14"),
-    (_KERAS_IMAGE, "affine_transform", "ImageProjectiveTransformV3", "3.12"),
-    (_KERAS_IMAGE, "perspective_transform", "ImageProjectiveTransformV3", "3.12"),
+_TWO_AXES = (
+    "has no layout rule; DTensor's replicated default gathers two mesh axes in one "
+    "relayout, which its collective gather lowering fails"
 )
 
-roll, flip, fliplr, flipud, affine_transform, perspective_transform = (
-    gathered_first(module, name, op) for module, name, op, _ in _FUNCTIONS
+# (module, function, the op DTensor has no rule for, why the gather, first Keras release).
+_FUNCTIONS = (
+    (_KERAS_NUMPY, "roll", "Roll", _TWO_AXES, "3.12"),
+    (_KERAS_NUMPY, "flip", "ReverseV2", _TWO_AXES, "3.12"),
+    (_KERAS_NUMPY, "fliplr", "ReverseV2", _TWO_AXES, "3.14"),
+    (_KERAS_NUMPY, "flipud", "ReverseV2", _TWO_AXES, "3.14"),
+    (_KERAS_IMAGE, "affine_transform", "ImageProjectiveTransformV3", _TWO_AXES, "3.12"),
+    (_KERAS_IMAGE, "perspective_transform", "ImageProjectiveTransformV3", _TWO_AXES, "3.12"),
+    (
+        _KERAS_NN,
+        "average_pool",
+        "AvgPoolGrad",
+        "has no layout rule, and AvgPool expands a batch split only (a pooling after a "
+        "conv split over its filters fails)",
+        "3.12",
+    ),
+)
+
+roll, flip, fliplr, flipud, affine_transform, perspective_transform, average_pool = (
+    gathered_first(module, name, op) for module, name, op, _, _ in _FUNCTIONS
 )
 
 LOWERINGS = tuple(
-    Lowering(
-        module,
-        name,
-        f"{__name__}:{name}",
-        f"{op} has no layout rule; DTensor's replicated default gathers two mesh axes in "
-        "one relayout, which its collective gather lowering fails",
-        since,
-    )
-    for module, name, op, since in _FUNCTIONS
+    Lowering(module, name, f"{__name__}:{name}", f"{op} {why}", since)
+    for module, name, op, why, since in _FUNCTIONS
 )
