@@ -52,19 +52,6 @@ def whole(value: tf.Tensor) -> np.ndarray:
     return value.numpy()
 
 
-def gradient_of(fn: Callable) -> Callable:
-    """`fn(*xs)` and the gradient of the sum of its output by the first input."""
-
-    def forward_and_gradient(*xs):
-        with tf.GradientTape() as tape:
-            tape.watch(xs[0])
-            y = fn(*xs)
-            loss = tf.reduce_sum(y * y)
-        return y, tape.gradient(loss, xs[0])
-
-    return forward_and_gradient
-
-
 def refusal(fn: Callable, *inputs: tf.Tensor, says: str) -> tuple[bool, str]:
     """Whether `tf.function(fn)(*inputs)` still fails with `says` in its error."""
     try:
@@ -171,6 +158,16 @@ for _op, _run in {
         strides=[1, 2, 2, 2, 1], padding="VALID",
     ),
     "ReverseV2": lambda a: tf.reverse(_SQUARE * a, [1]),
+    "DepthwiseConv2dNativeBackpropFilter": lambda a: tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+        input=tf.ones([1, 3, 3, 2]) * a, filter_sizes=[2, 2, 2, 1], out_backprop=tf.ones([1, 2, 2, 2]),
+        strides=[1, 1, 1, 1], padding="VALID",
+    ),
+    "DepthwiseConv2dNativeBackpropInput": lambda a: tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
+        input_sizes=[1, 3, 3, 2], filter=tf.ones([2, 2, 2, 1]) * a, out_backprop=tf.ones([1, 2, 2, 2]),
+        strides=[1, 1, 1, 1], padding="VALID",
+    ),
+    "SpaceToBatchND": lambda a: tf.space_to_batch_nd(tf.ones([1, 4, 4, 1]) * a, [2, 2], [[0, 0], [0, 0]]),
+    "BatchToSpaceND": lambda a: tf.batch_to_space(tf.ones([4, 2, 2, 1]) * a, [2, 2], [[0, 0], [0, 0]]),
 }.items():
     _no_rule_probe(_op, _run)
 
@@ -191,7 +188,9 @@ def _conv():
 
 
 @probe(
-    "nn.depthwise_conv", "the depthwise_conv and separable_conv lowerings (tfmp/lowering/conv.py)",
+    "nn.depthwise_conv",
+    "the gathering of depthwise_conv and separable_conv's inputs (tfmp/lowering/replicated.py), "
+    "where their gradients' ops have a rule too",
     covers=("nn.separable_conv",),
 )
 def _depthwise_split_channels():
@@ -348,19 +347,6 @@ def _replicated_gathers_two_axes():
     _enrolled("Roll")
     scores = on_mesh(RNG.normal(size=(4, 8, 8)).astype("float32"), "batch", "model", U)
     return refusal(lambda x: tf.roll(x, 1, axis=1), scores, says="number of elements to match")
-
-
-@probe(
-    "nn.depthwise_conv (gradient)",
-    "the depthwise_conv and separable_conv lowerings' reason to exist for a batch split",
-)
-def _depthwise_gradient():
-    kernel = on_mesh(RNG.normal(size=(3, 3, 8, 1)).astype("float32"))
-
-    def filter_gradient(k, x):
-        return tf.nn.depthwise_conv2d(x, k, [1, 1, 1, 1], "SAME")
-
-    return refusal(gradient_of(filter_gradient), kernel, SPLIT_BATCH, says=NO_RULE)
 
 
 def main() -> None:

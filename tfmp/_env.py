@@ -78,6 +78,16 @@ REPLICATED_OPS = (
     # the window's taps.
     "AvgPoolGrad",
     "AvgPool3DGrad",
+    # The gradients of `keras.ops.depthwise_conv` and `separable_conv`
+    # (DepthwiseConv1D/2D, SeparableConv1D/2D), run by `tfmp.lowering.replicated`:
+    # as fast as DTensor's own batch-split forward, and 3.5-27x faster than
+    # tfmp's former sum over kernel taps (bench/generic_path.py).
+    "DepthwiseConv2dNativeBackpropFilter",
+    "DepthwiseConv2dNativeBackpropInput",
+    # A dilated depthwise convolution runs between these (TensorFlow's
+    # `with_space_to_batch`), each the other's gradient.
+    "SpaceToBatchND",
+    "BatchToSpaceND",
     # User code's `tf.linalg.band_part` (`keras.ops.tril` and `triu` have
     # tfmp's faster rewrite, `tfmp.lowering.arrays`).
     "MatrixBandPart",
