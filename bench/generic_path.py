@@ -163,12 +163,14 @@ def _whole(value: tf.Tensor, mesh) -> tf.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="3 calls per way (bench/run_all.py --quick)")
     parser.add_argument("--only", default="", help="only the cases whose name contains this")
     options = parser.parse_args()
+    if options.quick:
+        options.calls = 3
     mesh = tfmp.DeviceMesh((2, 4), ("batch", "model")).dtensor_mesh
     registry.install()
     rng = np.random.default_rng(0)
-    results = []
     for case in _cases(rng):
         if options.only not in case["name"]:
             continue
@@ -206,7 +208,30 @@ def main() -> None:
         for way, samples in times.items():
             row[f"{way} ms"] = round(1000 * statistics.median(samples), 2)
         print(json.dumps(row), flush=True)
-        results.append(row)
+        _print_result(row, _tfmp_way(case))
+
+
+def _tfmp_way(case: dict) -> str:
+    """The way tfmp runs the case's function: its registered lowering, else raw."""
+    module = f"keras.src.backend.tensorflow.{case['fn'][0]}"
+    for lowering in registry.lowerings():
+        if (lowering.module, lowering.name) == (module, case["fn"][1]):
+            return "gathered" if lowering.replacement.startswith("tfmp.lowering.replicated") else "rewrite"
+    return "raw"
+
+
+def _print_result(row: dict, way: str) -> None:
+    """tfmp's way against the fastest way, as a line bench/run_all.py reads."""
+    times = {key[: -len(" ms")]: value for key, value in row.items() if key.endswith(" ms")}
+    if way not in times:
+        print(f'RESULT measure="{row["op"]}: tfmp\'s way ({way}) failed" ratio=nan')
+        return
+    fastest = min(times, key=times.get)
+    print(
+        f'RESULT measure="{row["op"]}: tfmp\'s way ({way}) ms / fastest ({fastest})" '
+        f"ratio={times[way] / times[fastest]:.2f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
