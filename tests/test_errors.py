@@ -147,11 +147,12 @@ def test_layout_values_must_be_axis_tuples():
 # DTensor's internal errors become ValueErrors naming the layer and a fix -----
 
 
-class RawReverse(keras.layers.Layer):
-    """Calls TensorFlow directly: `tf.reverse` has no DTensor layout rule."""
+class RawDeterminant(keras.layers.Layer):
+    """Calls TensorFlow directly: `tf.linalg.det` (`MatrixDeterminant`) has no
+    DTensor layout rule, and tfmp does not enroll it (`tfmp._env.REPLICATED_OPS`)."""
 
     def call(self, x):
-        return tf.reverse(x, [1])
+        return x * tf.linalg.det(x[:, :4])[:, None, None]
 
 
 class RawConv(keras.layers.Layer):
@@ -168,11 +169,11 @@ def test_op_without_a_dtensor_rule_names_the_layer_and_a_fix():
     strategy = tfmp.ModelParallelStrategy(mesh((2, 4)))
     with strategy.scope():
         model = keras.Sequential(
-            [keras.Input((6, 4)), keras.layers.Dense(4, name="d"), RawReverse(name="raw_reverse")]
+            [keras.Input((6, 4)), keras.layers.Dense(4, name="d"), RawDeterminant(name="raw_determinant")]
         )
         model.compile(optimizer="adam", loss="mse")
     x = np.zeros((8, 6, 4), "float32")
-    with pytest.raises(ValueError, match=r"op 'ReverseV2' in layer '\S*raw_reverse'.*\n.*keras\.ops"):
+    with pytest.raises(ValueError, match=r"op 'MatrixDeterminant' in layer '\S*raw_determinant'.*\n.*keras\.ops"):
         model.fit(x, x, batch_size=4, verbose=0)
 
 

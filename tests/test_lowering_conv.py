@@ -1,4 +1,6 @@
-"""Every Keras convolution on a mesh: tfmp's tap-wise lowerings against Keras' own."""
+"""Every Keras convolution on a mesh: tfmp's tap-wise lowerings against
+Keras' own, and the conv layers (depthwise and separable ones too, which run
+Keras' own on gathered inputs) on the mesh against one device."""
 
 import importlib
 import inspect
@@ -22,28 +24,6 @@ def keras_own(name: str, module: str = "nn"):
     return getattr(function, "__wrapped_keras__", function)
 
 
-def keras_reference(name: str):
-    """Keras' own function, or where the installed Keras computes it wrongly
-    (depthwise with strides and dilation both above 1 before Keras 3.15, which
-    handed both to tf.nn.depthwise_conv2d), the same convolution at stride 1,
-    subsampled: what a strided convolution is, for "valid" padding."""
-    own = keras_own(name)
-    if name not in ("depthwise_conv", "separable_conv") or hasattr(
-        KERAS_NN, "_needs_depthwise_stride_dilation_decomposition"
-    ):
-        return own
-
-    def reference(*tensors, strides=1, dilation_rate=1, padding="valid", **kwargs):
-        if strides == 1 or dilation_rate == 1:
-            return own(*tensors, strides=strides, dilation_rate=dilation_rate, padding=padding, **kwargs)
-        assert padding == "valid" and kwargs.get("data_format") in (None, "channels_last")
-        full = own(*tensors, strides=1, dilation_rate=dilation_rate, padding=padding, **kwargs)
-        rank = full.shape.rank
-        return full[(slice(None),) + (slice(None, None, strides),) * (rank - 2)]
-
-    return reference
-
-
 def normal(*shape: int, seed: int = 0) -> tf.Tensor:
     return tf.constant(np.random.default_rng(seed).normal(size=shape) * 0.5, tf.float32)
 
@@ -54,7 +34,7 @@ def assert_same_values_and_gradients(name: str, arrays: list, **kwargs) -> None:
     tensors = [normal(*shape, seed=i) for i, shape in enumerate(arrays)]
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(tensors)
-        want = keras_reference(name)(*tensors, **kwargs)
+        want = keras_own(name)(*tensors, **kwargs)
         got = getattr(lowered, name)(*tensors, **kwargs)
         projection = normal(*want.shape, seed=99)
         want_loss = tf.reduce_sum(want * projection)
@@ -96,38 +76,6 @@ def test_conv(shapes, kwargs):
 )
 def test_grouped_and_channels_first_conv(shapes, kwargs):
     assert_same_values_and_gradients("conv", shapes, **kwargs)
-
-
-DEPTHWISE = [
-    dict(strides=1, padding="valid"),
-    dict(strides=2, padding="same"),
-    dict(strides=1, padding="same", dilation_rate=2),
-    dict(strides=2, padding="valid", dilation_rate=2),  # Keras decomposes this one
-]
-
-
-@pytest.mark.parametrize("kwargs", DEPTHWISE, ids=str)
-@pytest.mark.parametrize(
-    "shapes", [[(2, 9, 3), (3, 3, 2)], [(2, 7, 8, 3), (3, 3, 3, 1)]], ids=["1d", "2d"]
-)
-def test_depthwise_conv(shapes, kwargs):
-    assert_same_values_and_gradients("depthwise_conv", shapes, **kwargs)
-
-
-@pytest.mark.parametrize("kwargs", DEPTHWISE, ids=str)
-@pytest.mark.parametrize(
-    "shapes",
-    [[(2, 9, 3), (3, 3, 2), (1, 6, 5)], [(2, 7, 8, 3), (3, 3, 3, 2), (1, 1, 6, 5)]],
-    ids=["1d", "2d"],
-)
-def test_separable_conv(shapes, kwargs):
-    assert_same_values_and_gradients("separable_conv", shapes, **kwargs)
-
-
-def test_depthwise_and_separable_channels_first():
-    kwargs = dict(strides=2, padding="same", data_format="channels_first")
-    assert_same_values_and_gradients("depthwise_conv", [(2, 3, 7, 8), (3, 3, 3, 2)], **kwargs)
-    assert_same_values_and_gradients("separable_conv", [(2, 3, 9), (3, 3, 2), (1, 6, 4)], **kwargs)
 
 
 TRANSPOSE = [
@@ -220,15 +168,15 @@ def test_errors_name_the_argument_and_the_fix():
 
     @tf.function(input_signature=[tf.TensorSpec((None, None, 6, 3))])
     def unknown_height(x):
-        return lowered.depthwise_conv(x, tf.zeros((3, 3, 3, 1)))
+        return lowered.conv(x, tf.zeros((3, 3, 3, 1)))
 
-    with pytest.raises(ValueError, match=r"depthwise_conv on a mesh needs a static spatial.*keras.Input\("):
+    with pytest.raises(ValueError, match=r"conv on a mesh needs a static spatial.*keras.Input\("):
         unknown_height.get_concrete_function()
 
 
 def test_lowerings_take_keras_arguments():
     names = {lowering.name for lowering in lowered.LOWERINGS}
-    assert names == {"add", "conv", "depthwise_conv", "separable_conv", "conv_transpose"}
+    assert names == {"add", "conv", "conv_transpose"}
     for lowering in lowered.LOWERINGS:
         module, replacement = lowering.resolve()
         keras_function = getattr(module, lowering.name)
@@ -259,11 +207,11 @@ FILTERS = (None, None, None, "model")  # a 2-D kernel's last dimension
 CHANNELS = (None, None, "model", None)
 
 
-def data(shape: tuple, outputs: int = 3) -> tuple[np.ndarray, np.ndarray]:
+def data(shape: tuple, outputs: int = 3, samples: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(1)
     return (
-        rng.normal(size=(BATCH,) + shape).astype("float32"),
-        rng.normal(size=(BATCH, outputs)).astype("float32"),
+        rng.normal(size=(samples,) + shape).astype("float32"),
+        rng.normal(size=(samples, outputs)).astype("float32"),
     )
 
 
@@ -302,12 +250,18 @@ SPLIT_2D = {
 def test_conv2d_family_split():
     model = assert_parity(build_2d, rules(SPLIT_2D), *data((6, 6, 4)))
     report = tfmp.comm_report(model, print_fn=lambda _: None)
-    on_model = [c for c in report.collectives if c.axes == ("model",)]
-    # One all-reduce of the output per layer that contracts split channels
-    # (channels, separable's pointwise, transpose), not one per tap, and no
-    # gather; the backward pass at most one collective per split layer.
-    assert [c.kind for c in on_model if c.phase == "forward"] == ["all-reduce"] * 3
+    on_model = [c for c in report.collectives if c.axes == ("model",) and c.category != "replicated-ops"]
+    # One all-reduce of the output per tap-wise layer that contracts split
+    # channels (channels, transpose), not one per tap, and no gather; the
+    # backward pass at most one collective per split layer. The depthwise and
+    # separable layers gather their split inputs, as "replicated-ops".
+    assert [c.kind for c in on_model if c.phase == "forward"] == ["all-reduce"] * 2
     assert len([c for c in on_model if c.phase == "backward"]) <= 4
+    gathered = [c.op for c in report.collectives if c.category == "replicated-ops"]
+    assert {layer for layer in ("depthwise", "separable", "transpose") if any(layer in op for op in gathered)} == {
+        "depthwise",
+        "separable",
+    }, gathered
 
 
 def build_1d() -> keras.Model:

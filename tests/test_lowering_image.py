@@ -1,16 +1,17 @@
-"""Image warps and crops on a mesh give Keras' own numbers on one device."""
+"""Image warps and crops on a mesh give Keras' own numbers on one device.
+
+The warps run TensorFlow's own kernel (`ImageProjectiveTransformV3`),
+replicated by DTensor's switch (`tfmp._env.REPLICATED_OPS`)."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras.src.backend.tensorflow import image as keras_image
 from tensorflow.experimental import dtensor
 
 import tfmp
 from helpers import assert_parity, mesh, rules
 from tfmp.forward import forward_on
-from tfmp.lowering import image
 
 RNG = np.random.default_rng(0)
 IMAGES = RNG.normal(size=(9, 7, 9, 2)).astype("float32")
@@ -43,61 +44,6 @@ def assert_close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("fill_mode", ["constant", "nearest", "reflect", "wrap"])
-@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
-def test_affine_transform_matches_keras(interpolation, fill_mode):
-    """Values and gradients, against Keras' own (ImageProjectiveTransformV3)."""
-    arguments = TRANSFORMS, interpolation, fill_mode, 0.5
-    ours = warp_and_gradient(lambda x: image.affine_transform(x, *arguments), IMAGES)
-    keras_own = warp_and_gradient(lambda x: keras_image.affine_transform(x, *arguments), IMAGES)
-    np.testing.assert_array_equal(ours[0], keras_own[0])
-    assert_close(ours[1], keras_own[1])
-
-
-def test_projective_transforms_match_keras():
-    """Values only: where a projection nears 0 its gradient's coordinates
-    (by the inverse transform, solved in another order) amplify rounding."""
-    transforms = IDENTITY + np.random.default_rng(1).normal(scale=[0.6, 0.6, 3, 0.6, 0.6, 3, 0.05, 0.05], size=(9, 8))
-    for interpolation in ("nearest", "bilinear"):
-        for fill_mode in ("constant", "reflect"):
-            arguments = transforms.astype("float32"), interpolation, fill_mode, 0.5
-            np.testing.assert_array_equal(
-                image.affine_transform(IMAGES, *arguments), keras_image.affine_transform(IMAGES, *arguments)
-            )
-
-
-@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
-def test_perspective_transform_matches_keras(interpolation):
-    corners = np.array([[0, 0], [8, 0], [0, 6], [8, 6]], "float32")
-    start = np.repeat(corners[None], 3, axis=0)
-    end = start + np.random.default_rng(2).normal(scale=0.8, size=start.shape).astype("float32")
-    arguments = start, end, interpolation, 0.5
-    ours = warp_and_gradient(lambda x: image.perspective_transform(x, *arguments), IMAGES[:3])
-    keras_own = warp_and_gradient(lambda x: keras_image.perspective_transform(x, *arguments), IMAGES[:3])
-    assert_close(ours[0], keras_own[0])
-    assert_close(ours[1], keras_own[1])
-    homographies = [module.compute_homography_matrix(start, end) for module in (image, keras_image)]
-    assert_close(*homographies)
-
-
-def test_channels_first_single_images_and_one_transform():
-    channels_first = np.transpose(IMAGES, (0, 3, 1, 2))
-    for arguments in [
-        (channels_first, TRANSFORMS, "bilinear", "reflect", 0, "channels_first"),
-        (IMAGES[0], TRANSFORMS[0], "bilinear", "wrap"),
-        (IMAGES, TRANSFORMS[0], "nearest", "constant"),
-    ]:
-        ours, keras_own = (module.affine_transform(*arguments) for module in (image, keras_image))
-        np.testing.assert_array_equal(ours, keras_own)
-
-
-def test_invalid_arguments_raise_keras_errors():
-    with pytest.raises(ValueError, match="interpolation"):
-        image.affine_transform(IMAGES, TRANSFORMS, interpolation="bicubic")
-    with pytest.raises(ValueError, match="fill_mode"):
-        image.affine_transform(IMAGES, TRANSFORMS, fill_mode="mirror")
-
-
 @pytest.fixture(scope="module")
 def device_mesh():
     tfmp.lowering.install()
@@ -115,12 +61,13 @@ def whole(value, device_mesh):
 
 def test_warps_on_a_mesh(device_mesh):
     """Batch-split images through Keras' ops in a forward pass on the mesh:
-    DTensor lays out tfmp's warps, values and gradients as Keras' own."""
+    values and gradients as Keras' own on one device."""
     images, transforms = IMAGES[:4], TRANSFORMS[:4]
     corners = np.array([[[0, 0], [8, 0], [0, 6], [8, 6]]] * 4, "float32")
     shifted = corners + np.random.default_rng(3).normal(scale=0.8, size=corners.shape).astype("float32")
     warps = {
         "affine": lambda x: keras.ops.image.affine_transform(x, transforms, "bilinear", "reflect"),
+        "affine_nearest": lambda x: keras.ops.image.affine_transform(x, transforms, "nearest", "wrap", 0.5),
         "perspective": lambda x: keras.ops.image.perspective_transform(x, corners, shifted),
     }
 

@@ -19,8 +19,6 @@ is split over batch and "model", with a last batch that does not divide the
 batch axis (21 samples at batch 8 on 2x4).
 """
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -168,54 +166,6 @@ def test_a_generator_draws_what_it_draws_under_mirrored_strategy(strategy):
         for key in want_step:
             np.testing.assert_array_equal(got_step[key], want_step[key], err_msg=key)
     assert not np.array_equal(want[0]["normal"], want[1]["normal"])
-
-
-# The ops `tfmp._env.REPLICATED_OPS` enrolls, each drawn on a mesh in a fresh
-# process without tfmp (whose import sets DTensor's switches).
-_WITHOUT_THE_SWITCH = """
-import tensorflow as tf
-from tensorflow.experimental import dtensor
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-mesh = dtensor.create_mesh([("x", 2)], devices=["CPU:0", "CPU:1"])
-one = dtensor.copy_to_mesh(tf.constant(1.0), dtensor.Layout.replicated(mesh, 0))
-seed = tf.constant([1, 2])
-state = dtensor.DVariable(dtensor.copy_to_mesh(
-    tf.constant([5, 0, 0], tf.int64), dtensor.Layout.replicated(mesh, 1)))
-draws = {
-    "StatelessRandomGammaV3": lambda a: tf.random.stateless_gamma([3], seed, alpha=a),
-    "StatelessRandomPoisson": lambda a: tf.random.stateless_poisson([3], seed, lam=a),
-    "StatelessRandomBinomial": lambda a: tf.random.stateless_binomial([3], seed, 10.0, a / 2),
-    "StatelessMultinomial": lambda a: tf.random.stateless_categorical(tf.math.log([[a, a]]), 3, seed),
-    "StatelessParameterizedTruncatedNormal": lambda a: tf.random.stateless_parameterized_truncated_normal([3], seed, 0.0, a, -1.0, 1.0),
-    "RandomPoissonV2": lambda a: tf.random.poisson([3], lam=a, seed=1),
-    "StatefulRandomBinomial": lambda a: tf.raw_ops.StatefulRandomBinomial(
-        resource=state.handle, algorithm=1, shape=[3], counts=10.0 * a, probs=a / 2),
-}
-for op, draw in draws.items():
-    try:
-        tf.function(draw)(one)
-        print(op, "runs")
-    except Exception as error:
-        print(op, "refused" if "does not implement layout propagation" in str(error) else error)
-"""
-
-
-def test_each_replicated_op_still_needs_dtensors_switch():
-    """When a TensorFlow release gives one of these ops a layout rule, its
-    entry in `tfmp._env.REPLICATED_OPS` is no longer needed: this fails."""
-    import subprocess
-    import sys
-
-    from tfmp._env import REPLICATED_BY_DEFAULT, REPLICATED_OPS
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(REPLICATED_BY_DEFAULT)}
-    finished = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_THE_SWITCH], env=env, capture_output=True, text=True,
-        timeout=300,
-    )
-    lines = dict(line.split(" ", 1) for line in finished.stdout.splitlines() if " " in line)
-    assert lines == {op: "refused" for op in REPLICATED_OPS}, finished.stdout + finished.stderr[-2000:]
 
 
 class NoisyDense(keras.layers.Layer):

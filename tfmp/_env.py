@@ -37,26 +37,63 @@ _EARLY_NATIVE_LOG = re.compile(
 # TensorFlow ops DTensor has no layout rule for ("does not implement layout
 # propagation"), which it runs replicated (inputs gathered, the whole result
 # on every device) once `DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF.<OP IN
-# CAPITALS>` is set, to anything. The stateless draws of `tf.random`
-# (`stateless_gamma`, `stateless_poisson`, `stateless_binomial`,
-# `stateless_categorical`, `stateless_parameterized_truncated_normal`) and
-# Keras' `random.gamma`, `beta`, `binomial` and `categorical` then draw the
-# whole tensor from the same seed on every device: one device's numbers.
-# TensorFlow's stateful Poisson kernel, seeded alike on every device by
-# `tfmp.lowering.random`, and a `tf.random.Generator`'s binomial, whose state
-# variable is replicated, draw the same numbers on every device too.
-# Measured: DTensor reads a switch when it compiles the op, and once one
-# compile had it the op stays enrolled for the process; so
-# `tests/test_user_tf_ops.py` checks in a fresh process that each op still
-# needs it.
+# CAPITALS>` is set, to anything. DTensor has no switch for every op at once
+# (its registry looks the op's name up), so each op is named here, with why a
+# model runs it. Measured: DTensor reads a switch when it compiles the op, and
+# once one compile had it the op stays enrolled for the process; so
+# `tests/test_canaries.py` checks in a fresh process that each op still needs
+# it. A first step in which `tfmp.lowering.replicated` gathers a split input
+# for one of them says so once (`tfmp.strategy.replicated_ops`), and
+# `tfmp.comm_report` counts the gather.
 REPLICATED_OPS = (
+    # The stateless draws of `tf.random` (`stateless_gamma`, `stateless_poisson`,
+    # `stateless_binomial`, `stateless_categorical`,
+    # `stateless_parameterized_truncated_normal`) and Keras' `random.gamma`,
+    # `beta`, `binomial` and `categorical` then draw the whole tensor from the
+    # same seed on every device: one device's numbers.
     "StatelessRandomGammaV3",
     "StatelessRandomPoisson",
     "StatelessRandomBinomial",
     "StatelessMultinomial",
     "StatelessParameterizedTruncatedNormal",
+    # TensorFlow's stateful Poisson kernel, seeded alike on every device by
+    # `tfmp.lowering.random`, and a `tf.random.Generator`'s binomial, whose
+    # state variable is replicated, draw the same numbers on every device too.
     "RandomPoissonV2",
     "StatefulRandomBinomial",
+    # Run by `tfmp.lowering.replicated` on inputs gathered one mesh axis at a
+    # time: `keras.ops.roll`, `flip`, `fliplr` and `flipud`, and Keras' image
+    # warps (RandomRotation, RandomZoom, RandomTranslation, RandomShear,
+    # RandomPerspective), with `MatrixInverse` for the warp's gradient and
+    # `MatrixSolve` for RandomPerspective's homography (`tf.linalg.solve`).
+    # As fast or faster than tfmp's former rewrites on 2x4 CPU devices
+    # (`bench/generic_path.py`, docs/layouts.md).
+    "Roll",
+    "ReverseV2",
+    "ImageProjectiveTransformV3",
+    "MatrixInverse",
+    "MatrixSolve",
+    # The gradients of `keras.ops.average_pool` (AveragePooling1D/2D/3D), run
+    # by `tfmp.lowering.replicated` too: faster than tfmp's former sum over
+    # the window's taps.
+    "AvgPoolGrad",
+    "AvgPool3DGrad",
+    # The gradients of `keras.ops.depthwise_conv` and `separable_conv`
+    # (DepthwiseConv1D/2D, SeparableConv1D/2D), run by `tfmp.lowering.replicated`:
+    # as fast as DTensor's own batch-split forward, and 3.5-27x faster than
+    # tfmp's former sum over kernel taps (bench/generic_path.py).
+    "DepthwiseConv2dNativeBackpropFilter",
+    "DepthwiseConv2dNativeBackpropInput",
+    # A dilated depthwise convolution runs between these (TensorFlow's
+    # `with_space_to_batch`), each the other's gradient.
+    "SpaceToBatchND",
+    "BatchToSpaceND",
+    # User code's `tf.linalg.band_part` (`keras.ops.tril` and `triu` have
+    # tfmp's faster rewrite, `tfmp.lowering.arrays`).
+    "MatrixBandPart",
+    # `keras.ops.eye`, which has no tensor input to gather (Qwen 3.5's gated
+    # delta net adds `ops.eye(chunk_size)`).
+    "MatrixDiagV3",
 )
 REPLICATED_BY_DEFAULT = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."
 

@@ -33,6 +33,11 @@ from tensorflow.experimental import dtensor
 # tells their collectives from the others by it.
 GATHER_SCOPE = "tfmp_gather_on_use"
 
+# Name scope prefix, followed by the op's name, of the relayouts that gather
+# the inputs of an op DTensor has no layout rule for (`tfmp.lowering.replicated`):
+# `tfmp.comm_report` and the first step's note find those gathers by it.
+REPLICATED_SCOPE = "tfmp_replicated_"
+
 # Name scope of the ops of tfmp's custom gradients: TensorFlow's own gradient
 # ops live under "gradient_tape/", which is how tfmp.comm_report tells the
 # backward pass from the forward one.

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from tfmp.forward import GATHER_SCOPE
+from tfmp.forward import GATHER_SCOPE, REPLICATED_SCOPE
 from tfmp.inspect.display import format_bytes, render_table
 from tfmp.strategy.extended import ModelParallelExtended
 from tfmp.strategy.graph_capture import first_step_graphs_of, is_train_step
@@ -43,7 +43,9 @@ class Collective:
         category: `"activations"` (forward or backward) or `"gradients"`
             (gradient synchronization over the batch axis), `"optimizer"`, or
             `"weight-gathers"` (a layer gathering a weight stored split over
-            the batch axis as it reads it, and that gather's gradient).
+            the batch axis as it reads it, and that gather's gradient), or
+            `"replicated-ops"` (the gathered inputs of an op DTensor has no
+            layout rule for, which runs whole on every device).
         bytes: Size of the tensor it reduces or gathers, per device: an
             all-reduce's or reduce-scatter's input, an all-gather's output,
             an all-to-all's buffer.
@@ -216,6 +218,9 @@ def _collective(node, partition, mesh, optimizer, batch_axis) -> Collective:
     # several), or, where the read feeds a gather of rows, after tfmp's scope.
     if phase == "forward" and (_READ_OP.fullmatch(op.rpartition("/")[2]) or GATHER_SCOPE in parts):
         category = "weight-gathers"
+    # The gathered inputs of an op DTensor has no layout rule for.
+    if any(part.startswith(REPLICATED_SCOPE) for part in parts):
+        category = "replicated-ops"
     size = _bytes(node)
     unknown = tuple(
         what for what, missing in (("size", size is None), ("group", axes is None)) if missing

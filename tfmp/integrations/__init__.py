@@ -72,9 +72,6 @@ class Patch:
         since: The first release of the target's library that has the
             attribute (older ones have nothing to change); None: every
             tested release.
-        canary: The test that fails once the library no longer needs the
-            change, as `"test_canaries.py::test_name"`; empty until one is
-            written.
 
     Examples:
         >>> from tfmp.integrations import Patch, library_of
@@ -96,7 +93,6 @@ class Patch:
     parameters: tuple[str, ...] = ()
     kind: str = "class"
     since: str | None = None
-    canary: str = ""
 
     @property
     def package(self) -> str:

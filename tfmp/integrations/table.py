@@ -104,11 +104,11 @@ def integrations_markdown() -> str:
             "",
             f"### {library.PACKAGE} ({_tested(library)}): `tfmp/integrations/{_file_of(library)}`",
             "",
-            "| changes | applied | why | since | canary |",
-            "|---|---|---|---|---|",
+            "| changes | applied | why | since |",
+            "|---|---|---|---|",
         ]
         lines += [
-            _row(f"`{e.patch.target}` `{e.patch.attribute}`", e.applied, e.patch.why, *_proof(e.patch))
+            _row(f"`{e.patch.target}` `{e.patch.attribute}`", e.applied, e.patch.why, e.patch.since or "")
             for e in listed
             if e.library is library and e.patch.kind != "lowering"
         ]
@@ -127,12 +127,12 @@ def lowerings_markdown() -> str:
     lines += [_row(f"`{name}`", _summary(_LOWERING_PACKAGE + name)) for name in sorted(by_family)]
     lines += [
         "",
-        "| family | function | what DTensor refuses | since | canary |",
-        "|---|---|---|---|---|",
+        "| family | function | what DTensor refuses | since |",
+        "|---|---|---|---|",
     ]
     for name in sorted(by_family):
         lines += [
-            _row(f"`{name}`", f"`{e.patch.target}.{e.patch.attribute}`", e.patch.why, *_proof(e.patch))
+            _row(f"`{name}`", f"`{e.patch.target}.{e.patch.attribute}`", e.patch.why, e.patch.since or "")
             for e in by_family[name]
         ]
     return "\n".join(lines) + "\n"
@@ -166,10 +166,6 @@ def _file_of(library: Any) -> str:
 def _tested(library: Any) -> str:
     low, high = library.TESTED
     return low if low == high else f"{low} to {high}"
-
-
-def _proof(patch: Patch) -> tuple[str, str]:
-    return patch.since or "", f"`{patch.canary}`" if patch.canary else ""
 
 
 def _summary(module: str) -> str:

@@ -1,11 +1,11 @@
-"""Triangles, rolls, sorts and transposes written with ops DTensor lays out.
+"""Triangles, sorts and transposes written with ops DTensor lays out.
 
 - `tril`/`triu` are `MatrixBandPart`, which DTensor has no layout rule for
   ("'tf.MatrixBandPart' op does not implement layout propagation"): a causal
-  mask built from a tensor. On a mesh they keep the entries where
-  `column - row` lies in the band, selected elementwise.
-- `roll` is `tf.roll`, which has no layout rule either: on a mesh it is a
-  gather of the rolled positions along each axis.
+  mask built from a tensor. Run replicated (`tfmp.lowering.replicated`), it
+  gathers its input; on a mesh tfmp keeps the entries where `column - row`
+  lies in the band, selected elementwise: no communication, and faster
+  (`bench/generic_path.py`).
 - `sort` and `argsort` run `TopKV2`, whose outputs DTensor refuses split
   on the sorted dimension ("The last dimensions of TopKV2Op outputs should
   be UNSHARDED"), which layout propagation asks for when a split tensor is
@@ -26,7 +26,6 @@ from __future__ import annotations
 import string
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow.core import convert_to_tensor
 
@@ -56,25 +55,6 @@ def _diagonal_offsets(x: tf.Tensor) -> tf.Tensor:
 def _length(x: tf.Tensor, dim: int) -> Any:
     """`x`'s length along `dim`: static where known, else read in the step."""
     return x.shape[dim] if x.shape[dim] is not None else tf.shape(x)[dim]
-
-
-def roll(x: Any, shift: Any, axis: Any = None) -> tf.Tensor:
-    """`keras.ops.roll` as a gather of `(position - shift) mod length` along
-    each axis. A shift or axis computed in the step is Keras' own."""
-    x = convert_to_tensor(x)
-    shifts, axes = tf.get_static_value(shift), tf.get_static_value(axis)
-    if shifts is None or (axis is not None and axes is None):
-        return keras_original(_KERAS_NUMPY, "roll")(x, shift, axis)
-    if axis is None:
-        flat = tf.reshape(x, [-1])
-        return tf.reshape(roll(flat, shift, 0), tf.shape(x))
-    shifts, axes = np.reshape(shifts, [-1]).tolist(), np.reshape(axes, [-1]).tolist()
-    if len(shifts) == 1:
-        shifts = shifts * len(axes)
-    for dim, amount in zip(axes, shifts):
-        length = _length(x, dim)
-        x = tf.gather(x, (tf.range(length) - amount) % length, axis=dim)
-    return x
 
 
 def argsort(x: Any, axis: int | None = -1) -> tf.Tensor:
@@ -114,12 +94,21 @@ def transpose(x: Any, axes: Any = None) -> tf.Tensor:
     return tf.einsum(f"{letters}->{''.join(letters[axis] for axis in order)}", x)
 
 
-_NO_RULE = "has no DTensor layout propagation"
-
 LOWERINGS = (
-    Lowering(_KERAS_NUMPY, "tril", f"{__name__}:tril", f"MatrixBandPart {_NO_RULE}"),
-    Lowering(_KERAS_NUMPY, "triu", f"{__name__}:triu", f"MatrixBandPart {_NO_RULE}"),
-    Lowering(_KERAS_NUMPY, "roll", f"{__name__}:roll", f"Roll {_NO_RULE}"),
+    Lowering(
+        _KERAS_NUMPY,
+        "tril",
+        f"{__name__}:tril",
+        "MatrixBandPart has no layout rule; replicated, it gathers its input and was "
+        "slower (bench/generic_path.py)",
+    ),
+    Lowering(
+        _KERAS_NUMPY,
+        "triu",
+        f"{__name__}:triu",
+        "MatrixBandPart has no layout rule; replicated, it gathers its input and was "
+        "slower (bench/generic_path.py)",
+    ),
     Lowering(
         _KERAS_NUMPY,
         "transpose",

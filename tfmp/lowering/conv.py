@@ -1,16 +1,17 @@
-"""Convolutions (every Keras conv layer) as sums over kernel taps of channel matmuls.
+"""Convolutions (Keras' Conv and ConvTranspose layers) as sums over kernel
+taps of channel matmuls.
 
 DTensor's own convolutions refuse split kernels on CPU and GPU ("Filter for
 convolution must have fully replicated layout"), split input channels, and
-transposed convolutions of anything but a batch split; the depthwise kernel
-gradient has no layout propagation at all. Written as
+transposed convolutions of anything but a batch split. (The depthwise and
+separable convolutions run Keras' own on inputs gathered whole:
+`tfmp.lowering.replicated`, measured faster than a sum over taps.) Written as
 
     y = sum over taps t of einsum(x shifted by t, kernel[t])
 
 a convolution is made only of ops DTensor lays out (strided slices and their
 gradients, einsums, sums): split filters need no communication
-forward, split input channels one all-reduce of `y`, split depthwise channels
-none.
+forward, split input channels one all-reduce of `y`.
 
 The gradients are written by hand: each tap's share of the input gradient is
 put in place (a strided pad) *before* its einsum, so that the taps' einsums
@@ -165,11 +166,6 @@ def dense_contraction(rank: int) -> TapContraction:
 def grouped_contraction(rank: int) -> TapContraction:
     """Each of the `g` groups is a matmul of its own channels into its filters."""
     return _contraction(rank, "gc", "cgf", "gf")
-
-
-def depthwise_contraction(rank: int) -> TapContraction:
-    """Each channel `c` is multiplied into its `m` outputs: no sum over channels."""
-    return _contraction(rank, "c", "cm", "cm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,79 +482,6 @@ def _grouped_conv(x: tf.Tensor, kernel: tf.Tensor, taps: Taps) -> tf.Tensor:
     return taps.pinning.reshape(y, y.shape[1:-2] + [filters], spec.out[:-2] + "g")
 
 
-def depthwise_conv(
-    inputs: Any,
-    kernel: Any,
-    strides: Any = 1,
-    padding: str = "valid",
-    data_format: str | None = None,
-    dilation_rate: Any = 1,
-) -> tf.Tensor:
-    """`keras.src.backend.tensorflow.nn.depthwise_conv` as a sum over taps of
-    elementwise products: channels split over a mesh axis need no communication.
-
-    Args:
-        inputs: `(batch, *spatial, channels)`, or channels first.
-        kernel: `(*taps, channels, depth_multiplier)`.
-        strides: An int or one per spatial axis.
-        padding: `"valid"` or `"same"`.
-        data_format: `"channels_last"`, `"channels_first"` or None.
-        dilation_rate: An int or one per spatial axis.
-
-    Returns:
-        `(batch, *output spatial, channels * depth_multiplier)`, in `data_format`.
-    """
-    inputs, kernel_tensor = _tensors(inputs, kernel, "depthwise_conv")
-    pinning = Pinning.current(inputs, _depthwise_channels(kernel))
-    x = _to_channels_last(inputs, data_format, pinning, "c")
-    taps = _taps(x, pinning, kernel_tensor.shape[:-2], strides, padding, dilation_rate)
-    return _from_channels_last(_depthwise(x, kernel_tensor, taps), data_format, pinning, "o")
-
-
-def _depthwise(x: tf.Tensor, kernel: tf.Tensor, taps: Taps) -> tf.Tensor:
-    spec = depthwise_contraction(len(taps.plans))
-    y = conv_by_taps(x, kernel, taps, spec)
-    # Channel i's outputs are i * multiplier ... (i + 1) * multiplier - 1, as in TensorFlow.
-    flat = y.shape[1:-2] + [y.shape[-2] * y.shape[-1]]
-    return taps.pinning.reshape(y, flat, spec.out[:-2] + "o")
-
-
-def separable_conv(
-    inputs: Any,
-    depthwise_kernel: Any,
-    pointwise_kernel: Any,
-    strides: Any = 1,
-    padding: str = "valid",
-    data_format: str | None = None,
-    dilation_rate: Any = 1,
-) -> tf.Tensor:
-    """`keras.src.backend.tensorflow.nn.separable_conv`: the depthwise
-    convolution, then a matmul of its channels into the pointwise filters.
-
-    Args:
-        inputs: `(batch, *spatial, channels)`, or channels first.
-        depthwise_kernel: `(*taps, channels, depth_multiplier)`.
-        pointwise_kernel: `(*ones, channels * depth_multiplier, filters)`.
-        strides: An int or one per spatial axis.
-        padding: `"valid"` or `"same"`.
-        data_format: `"channels_last"`, `"channels_first"` or None.
-        dilation_rate: An int or one per spatial axis.
-
-    Returns:
-        `(batch, *output spatial, filters)`, in `data_format`.
-    """
-    inputs, depthwise_tensor = _tensors(inputs, depthwise_kernel, "separable_conv")
-    pointwise = tf.convert_to_tensor(pointwise_kernel, inputs.dtype)
-    channels = {**_depthwise_channels(depthwise_kernel), "p": _kernel_channels(pointwise_kernel, "f")["f"]}
-    pinning = Pinning.current(inputs, channels)
-    x = _to_channels_last(inputs, data_format, pinning, "c")
-    taps = _taps(x, pinning, depthwise_tensor.shape[:-2], strides, padding, dilation_rate)
-    rank = len(taps.plans)
-    pointwise_taps = kernel_taps(pointwise, rank)[(0,) * rank]
-    y = tf.einsum(dense_contraction(rank).forward, _depthwise(x, depthwise_tensor, taps), pointwise_taps)
-    return _from_channels_last(y, data_format, pinning, "p")
-
-
 def conv_transpose(
     inputs: Any,
     kernel: Any,
@@ -656,14 +579,6 @@ def _grouped_channels(kernel: Any, groups: int) -> dict[str, str]:
     )
     group_split = by_filters if whole_groups else dtensor.UNSHARDED
     return {"c": channels["c"], "g": group_split, "f": dtensor.UNSHARDED}
-
-
-def _depthwise_channels(kernel: Any) -> dict[str, str]:
-    """Channel splits of a depthwise convolution: its flat output `o`
-    (channel-major) is split as the channels while the multiplier is whole."""
-    channels = _kernel_channels(kernel, "cm")
-    whole_multiplier = channels["m"] == dtensor.UNSHARDED
-    return {**channels, "o": channels["c"] if whole_multiplier else dtensor.UNSHARDED}
 
 
 def _channel_count(inputs: tf.Tensor, data_format: str | None) -> int:
@@ -793,13 +708,5 @@ LOWERINGS: tuple[Lowering, ...] = (
         "a conv bias's Squeeze, split like the sum but not the bias; rank-3 NCHW BiasAdd",
     ),
     _lowering("conv", "Conv refuses a split kernel or split input channels"),
-    _lowering(
-        "depthwise_conv",
-        "DepthwiseConv2dNativeBackpropFilter has no layout propagation",
-    ),
-    _lowering(
-        "separable_conv",
-        "DepthwiseConv2dNativeBackpropFilter has no layout propagation",
-    ),
     _lowering("conv_transpose", "Conv2DBackpropInput takes batch-parallel layouts only"),
 )

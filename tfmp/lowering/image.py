@@ -1,19 +1,5 @@
-"""Image warps as gathers; crops at a traced offset, and backward ranges, as slices and gathers.
+"""Crops at a traced offset, and backward ranges, as slices and gathers.
 
-- Keras warps images (RandomRotation, RandomZoom, RandomTranslation,
-  RandomShear through `image.affine_transform`; RandomPerspective through
-  `image.perspective_transform`) with TensorFlow's
-  `ImageProjectiveTransformV3`, for which DTensor has no layout rule. On a
-  mesh tfmp computes what that kernel computes, in its float32 operations
-  and order: each output pixel's source coordinates, their mapping into the
-  image by `fill_mode`, and the nearest pixel or the bilinear blend of four,
-  read with gathers over each image's own pixels (a batch split over the mesh
-  stays split; images stay whole). The outputs are bitwise Keras' own. The
-  gradient is the kernel's registered one, the upstream gradient warped by
-  the inverse transform (not the exact adjoint, but what one device trains
-  with); that inverse, and RandomPerspective's homography, are solved by
-  elimination as Eigen solves them, since DTensor has no rule for
-  `MatrixInverse` or `MatrixSolve` (equal up to the last bit).
 - RandomCrop crops with `images[:, h:h + height, w:w + width]` at an offset
   drawn in the step. DTensor sizes a `StridedSlice` whose bounds are tensors
   wrongly: every shard comes out empty (then "input image must be of non-zero
@@ -45,144 +31,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import tensorflow as tf
-from keras.src.backend import standardize_data_format
 from keras.src.backend.common.name_scope import current_path
-from tensorflow.experimental import dtensor
 
-from tfmp.forward import batch_spec, forward_mesh
 from tfmp.lowering.registry import Lowering, keras_original
 
 _KERAS_IMAGE = "keras.src.backend.tensorflow.image"
 _ARRAY_OPS = "tensorflow.python.ops.array_ops"
-_INTERPOLATIONS = ("nearest", "bilinear")
-_FILL_MODES = ("constant", "nearest", "reflect", "wrap")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sampling:
-    """How a warp reads the input image, as `ImageProjectiveTransformV3` takes it."""
-
-    interpolation: str
-    fill_mode: str
-    fill_value: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pinning:
-    """The layout of a warp's batch-first tensors: the batch split as the
-    strategy splits it, every other dimension whole (a gather reads any pixel
-    of its own image). Read in the forward pass: the gradient is traced after
-    the pass has left its mesh."""
-
-    mesh: dtensor.Mesh | None = None
-    batch: str = dtensor.UNSHARDED
-
-    @classmethod
-    def current(cls, images: tf.Tensor) -> _Pinning:
-        mesh = forward_mesh()
-        if mesh is None:
-            return cls()
-        return cls(mesh, batch_spec(images, mesh, other_axis=None))
-
-    def pin(self, value: tf.Tensor) -> tf.Tensor:
-        if self.mesh is None:
-            return value
-        specs = [self.batch] + [dtensor.UNSHARDED] * (value.shape.rank - 1)
-        return dtensor.relayout(value, dtensor.Layout(specs, self.mesh))
-
-
-def affine_transform(
-    images: Any,
-    transform: Any,
-    interpolation: str = "bilinear",
-    fill_mode: str = "constant",
-    fill_value: Any = 0,
-    data_format: Any = None,
-) -> tf.Tensor:
-    """Keras' `image.affine_transform` on a mesh: the same pixels, by gathers."""
-    images, transform = tf.convert_to_tensor(images), tf.convert_to_tensor(transform)
-    if (
-        interpolation not in _INTERPOLATIONS
-        or fill_mode not in _FILL_MODES
-        or images.shape.rank not in (3, 4)
-        or transform.shape.rank not in (1, 2)
-    ):  # Keras' own raises its error
-        return keras_original(_KERAS_IMAGE, "affine_transform")(
-            images, transform, interpolation, fill_mode, fill_value, data_format
-        )
-    transforms = tf.reshape(transform, [-1, 8])
-    return _warp(images, transforms, _Sampling(interpolation, fill_mode, fill_value), data_format)
-
-
-def perspective_transform(
-    images: Any,
-    start_points: Any,
-    end_points: Any,
-    interpolation: str = "bilinear",
-    fill_value: Any = 0,
-    data_format: Any = None,
-) -> tf.Tensor:
-    """Keras' `image.perspective_transform` on a mesh: the same pixels, by gathers."""
-    images = tf.convert_to_tensor(images)
-    start_points = tf.convert_to_tensor(start_points, tf.float32)
-    end_points = tf.convert_to_tensor(end_points, tf.float32)
-    if (
-        interpolation not in _INTERPOLATIONS
-        or images.shape.rank not in (3, 4)
-        or start_points.shape.rank not in (2, 3)
-        or start_points.shape[-2:] != (4, 2)
-        or start_points.shape != end_points.shape
-    ):  # Keras' own raises its error
-        return keras_original(_KERAS_IMAGE, "perspective_transform")(
-            images, start_points, end_points, interpolation, fill_value, data_format
-        )
-    transforms = compute_homography_matrix(
-        tf.reshape(start_points, [-1, 4, 2]), tf.reshape(end_points, [-1, 4, 2])
-    )
-    # Keras leaves the op's default fill mode: constant.
-    return _warp(images, transforms, _Sampling(interpolation, "constant", fill_value), data_format)
-
-
-def compute_homography_matrix(start_points: Any, end_points: Any) -> tf.Tensor:
-    """Keras' `image.compute_homography_matrix` on a mesh: Keras' 8x8 system
-    for each image, solved by elimination (DTensor has no layout rule for
-    `MatrixSolve`)."""
-    rows, targets = [], []
-    for corner in range(4):
-        start_x, start_y = start_points[:, corner, 0], start_points[:, corner, 1]
-        end_x, end_y = end_points[:, corner, 0], end_points[:, corner, 1]
-        one, zero = tf.ones_like(end_x), tf.zeros_like(end_x)
-        rows.append(tf.stack([end_x, end_y, one, zero, zero, zero, -start_x * end_x, -start_x * end_y], -1))
-        rows.append(tf.stack([zero, zero, zero, end_x, end_y, one, -start_y * end_x, -start_y * end_y], -1))
-        targets += [start_x, start_y]
-    solution = _solve(tf.stack(rows, axis=1), tf.expand_dims(tf.stack(targets, axis=-1), -1))
-    return tf.squeeze(solution, -1)
-
-
-def _solve(matrices: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
-    """x with matrices @ x = targets (batch, n, m), per batch row: Gaussian
-    elimination with partial pivoting, then back substitution column by
-    column, the steps of Eigen's LU solver behind `MatrixSolve` and
-    `MatrixInverse` (its rounding may differ in the last bit)."""
-    size = matrices.shape[-1]
-    system = tf.concat([matrices, targets], axis=-1)
-    rows = tf.range(size)
-    for k in range(size - 1):
-        pivot = tf.expand_dims(tf.argmax(tf.abs(system[:, k:, k]), axis=1, output_type=tf.int32) + k, 1)
-        system = tf.gather(system, tf.where(rows == k, pivot, tf.where(rows == pivot, k, rows)), batch_dims=1)
-        # Columns left of k below the pivot become garbage, and are never read.
-        factors = system[:, k + 1 :, k : k + 1] / system[:, k : k + 1, k : k + 1]
-        system = tf.concat([system[:, : k + 1], system[:, k + 1 :] - factors * system[:, k : k + 1]], axis=1)
-    upper, remainder = system[:, :, :size], system[:, :, size:]
-    solution = [None] * size
-    for k in reversed(range(size)):
-        solution[k] = remainder[:, k] / upper[:, k, k : k + 1]
-        remainder = remainder - upper[:, :, k : k + 1] * tf.expand_dims(solution[k], 1)
-    return tf.stack(solution, axis=1)
 
 
 def elastic_transform(
@@ -203,178 +61,6 @@ def elastic_transform(
         "stateless_normal directly, which DTensor draws shard by shard. Apply it in "
         "the tf.data pipeline instead."
     )
-
-
-def _warp(images: tf.Tensor, transforms: tf.Tensor, sampling: _Sampling, data_format: Any) -> tf.Tensor:
-    """`ImageProjectiveTransformV3` of `images` (one image or a batch, in
-    `data_format`) by `transforms` (one, or one per image)."""
-    channels_first = standardize_data_format(data_format) == "channels_first"
-    batch = images if images.shape.rank == 4 else tf.expand_dims(images, 0)
-    if channels_first:
-        batch = tf.transpose(batch, (0, 2, 3, 1))
-    if None in batch.shape[1:]:
-        raise ValueError(
-            f"Layer {current_path() or '?'!r} warps images of shape {images.shape} on a "
-            "tfmp mesh, which needs their height, width and channels known while "
-            "tracing. Give the model's keras.Input a full image shape, e.g. "
-            "keras.Input((32, 32, 3))."
-        )
-    pinning = _Pinning.current(batch)
-    # The op has no gradient for its transforms.
-    transforms = tf.stop_gradient(tf.cast(transforms, tf.float32))
-    if transforms.shape[0] == 1:  # one transform for every image
-        transforms = tf.broadcast_to(transforms, tf.stack([tf.shape(batch)[0], 8]))
-    warped = _projective_transform(batch, transforms, sampling, pinning)
-    if channels_first:
-        warped = tf.transpose(warped, (0, 3, 1, 2))
-    return warped if images.shape.rank == 4 else tf.squeeze(warped, 0)
-
-
-def _projective_transform(
-    images: tf.Tensor, transforms: tf.Tensor, sampling: _Sampling, pinning: _Pinning
-) -> tf.Tensor:
-    """The kernel's output on NHWC `images`, with the kernel's registered gradient."""
-
-    @tf.custom_gradient
-    def warp(images: tf.Tensor) -> tuple[tf.Tensor, Callable]:
-        def grad(upstream: tf.Tensor) -> tf.Tensor:
-            no_fill = dataclasses.replace(sampling, fill_value=0.0)
-            return _resample(upstream, _inverse(transforms), no_fill, pinning)
-
-        return _resample(images, transforms, sampling, pinning), grad
-
-    return warp(images)
-
-
-def _inverse(transforms: tf.Tensor) -> tf.Tensor:
-    """The flat transforms of the inverse matrices, as TensorFlow's gradient
-    computes them: each 3x3 matrix inverted, then divided by its last entry."""
-    matrices = tf.reshape(tf.concat([transforms, tf.ones_like(transforms[:, :1])], axis=1), [-1, 3, 3])
-    identity = tf.zeros_like(matrices) + tf.eye(3, dtype=matrices.dtype)
-    inverse = tf.reshape(_solve(matrices, identity), [-1, 9])
-    return (inverse / inverse[:, 8:9])[:, :8]
-
-
-def _resample(images: tf.Tensor, transforms: tf.Tensor, sampling: _Sampling, pinning: _Pinning) -> tf.Tensor:
-    """`ImageProjectiveTransformV3`'s output pixels (image_ops.h's
-    ProjectiveGenerator), one image's pixels gathered per batch row."""
-    _, height, width, channels = images.shape
-    pixels = pinning.pin(tf.reshape(pinning.pin(images), [_batch_size(images), height * width, channels]))
-    x, y, projection = _source_coordinates(transforms, height, width)
-    x = pinning.pin(_map_coordinate(x, width, sampling.fill_mode))
-    y = pinning.pin(_map_coordinate(y, height, sampling.fill_mode))
-    # Every other mode moved the coordinates into the image; a constant fill
-    # reads the fill value outside it (`_Reader`), and where the projection is 0.
-    inside = projection != 0
-    fill = tf.cast(sampling.fill_value, images.dtype)
-    read = _Reader(pixels, height, width, fill)
-    if sampling.interpolation == "nearest":
-        values = read(_round_half_away(y), _round_half_away(x))
-    else:
-        values = tf.cast(_bilinear(read, y, x), images.dtype)
-    values = tf.where(tf.expand_dims(pinning.pin(inside), -1), values, fill)
-    return pinning.pin(tf.reshape(values, [_batch_size(images), height, width, channels]))
-
-
-def _source_coordinates(
-    transforms: tf.Tensor, height: int, width: int
-) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """Each output pixel's input coordinates x and y, and the projection
-    they were divided by, as (batch, height * width); the kernel's float32
-    operations in its order."""
-    out_x = tf.constant(np.tile(np.arange(width), height)[None], tf.float32)
-    out_y = tf.constant(np.repeat(np.arange(height), width)[None], tf.float32)
-    t = [transforms[:, i : i + 1] for i in range(8)]
-    projection = t[6] * out_x + t[7] * out_y + 1.0
-    # The kernel returns the fill value where the projection is 0.
-    divisor = tf.where(projection == 0, tf.ones_like(projection), projection)
-    x = (t[0] * out_x + t[1] * out_y + t[2]) / divisor
-    y = (t[3] * out_x + t[4] * out_y + t[5]) / divisor
-    return x, y, projection
-
-
-def _map_coordinate(coordinate: tf.Tensor, size: int, fill_mode: str) -> tf.Tensor:
-    """image_ops.h's MapCoordinate: a coordinate outside [0, size - 1] moved
-    into it by `fill_mode` (truncations of positive values written as floors)."""
-    if fill_mode == "constant":
-        return coordinate
-    if size <= 1:
-        return tf.zeros_like(coordinate)
-    if fill_mode == "reflect":
-        coordinate = _reflect(coordinate, size)
-    elif fill_mode == "wrap":
-        coordinate = _wrap(coordinate, size)
-    return tf.clip_by_value(coordinate, 0.0, size - 1.0)
-
-
-def _reflect(c: tf.Tensor, size: int) -> tf.Tensor:
-    """[abcd] read as [dcba|abcd|dcba], in the kernel's arithmetic."""
-    period = 2.0 * size
-    below = period * tf.floor(-c / period) + c
-    below = tf.where(below < -size, below + period, -below - 1.0)
-    above = c - period * tf.floor(c / period)
-    above = tf.where(above >= size, period - above - 1.0, above)
-    return tf.where(c < 0, below, tf.where(c > size - 1, above, c))
-
-
-def _wrap(c: tf.Tensor, size: int) -> tf.Tensor:
-    """[abcd] read as [abcd|abcd|abcd], in the kernel's arithmetic (which
-    divides by size - 1 and steps by size)."""
-    span = size - 1.0
-    below = c + size * (tf.floor(-c / span) + 1.0)
-    above = c - size * tf.floor(c / span)
-    return tf.where(c < 0, below, tf.where(c > span, above, c))
-
-
-def _round_half_away(c: tf.Tensor) -> tf.Tensor:
-    """`std::round`: halves away from zero (tf.round rounds them to even)."""
-    magnitude = tf.abs(c)
-    whole = tf.floor(magnitude)
-    rounded = whole + tf.cast(magnitude - whole >= 0.5, c.dtype)
-    return tf.where(c < 0, -rounded, rounded)
-
-
-def _bilinear(read: Callable, y: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
-    """The kernel's bilinear blend, in float32 and in its order."""
-    y_floor, x_floor = tf.floor(y), tf.floor(x)
-    y_ceil, x_ceil = y_floor + 1.0, x_floor + 1.0
-    wx_floor, wx_ceil = tf.expand_dims(x_ceil - x, -1), tf.expand_dims(x - x_floor, -1)
-    top = wx_floor * read(y_floor, x_floor, tf.float32) + wx_ceil * read(y_floor, x_ceil, tf.float32)
-    bottom = wx_floor * read(y_ceil, x_floor, tf.float32) + wx_ceil * read(y_ceil, x_ceil, tf.float32)
-    return tf.expand_dims(y_ceil - y, -1) * top + tf.expand_dims(y - y_floor, -1) * bottom
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reader:
-    """Reads pixels at whole coordinates, the fill value outside the image
-    (the kernel's read_with_fill_value).
-
-    Attributes:
-        pixels: (batch, height * width, channels) images.
-        height: Image height.
-        width: Image width.
-        fill: The fill value, in the images' dtype.
-    """
-
-    pixels: tf.Tensor
-    height: int
-    width: int
-    fill: tf.Tensor
-
-    def __call__(self, y: tf.Tensor, x: tf.Tensor, dtype: Any = None) -> tf.Tensor:
-        """The pixels at (y, x), each (batch, height * width), as `dtype`."""
-        valid = (y >= 0) & (y < self.height) & (x >= 0) & (x < self.width)
-        row = tf.cast(tf.clip_by_value(y, 0.0, self.height - 1.0), tf.int32)
-        column = tf.cast(tf.clip_by_value(x, 0.0, self.width - 1.0), tf.int32)
-        values = tf.gather(self.pixels, row * self.width + column, batch_dims=1)
-        values = tf.where(tf.expand_dims(valid, -1), values, self.fill)
-        return values if dtype is None else tf.cast(values, dtype)
-
-
-def _batch_size(value: tf.Tensor) -> int:
-    """`value`'s batch size for a reshape: static where known (DTensor
-    expands a reshape to -1 of a split dimension wrongly)."""
-    return -1 if value.shape[0] is None else value.shape[0]
 
 
 def strided_slice(
@@ -651,17 +337,7 @@ def _traced_slice_error(input_: tf.Tensor) -> ValueError:
     )
 
 
-_NO_RULE = "DTensor has no layout rule for ImageProjectiveTransformV3"
-
 LOWERINGS = (
-    Lowering(_KERAS_IMAGE, "affine_transform", f"{__name__}:affine_transform", _NO_RULE),
-    Lowering(_KERAS_IMAGE, "perspective_transform", f"{__name__}:perspective_transform", _NO_RULE),
-    Lowering(
-        _KERAS_IMAGE,
-        "compute_homography_matrix",
-        f"{__name__}:compute_homography_matrix",
-        "DTensor has no layout rule for MatrixSolve",
-    ),
     Lowering(
         _KERAS_IMAGE,
         "elastic_transform",

@@ -1,5 +1,5 @@
-"""One-hot encoding, top-k selection and identity matrices written with
-elementwise ops.
+"""One-hot encoding, top-k selection and gathers, written with ops DTensor
+lays out and TensorFlow runs.
 
 - DTensor's `OneHot` expansion breaks when layout propagation splits the new
   class dimension (a mixture of experts' routing mask, whose experts are split
@@ -23,10 +23,6 @@ elementwise ops.
   makes them. (On plain replicated tables the relayout broke ViTDet's
   relative positions, so they keep TensorFlow's own gather.)
   User code's `tf.one_hot` is the same comparison on a mesh.
-- `tf.eye` is a `MatrixDiagV3`, which DTensor has no layout rule for
-  ("'tf.MatrixDiagV3' op does not implement layout propagation"; Qwen 3.5's
-  gated delta net adds `ops.eye(chunk_size)`). `rows + k == columns` is the
-  same matrix.
 - `tf.gather_nd` with indices of rank 7 (SAM3's ROI align, called on
   TensorFlow directly) crashes the process in the step's backward pass, the
   `ScatterNd` into a 6-D gradient; ranks up to 6 run. On a mesh the indices
@@ -43,8 +39,6 @@ from typing import Any, Callable
 
 import keras
 import tensorflow as tf
-from keras.src.backend import config
-from keras.src.backend.common.variables import standardize_dtype
 from tensorflow.experimental import dtensor
 
 from tfmp.forward import forward_mesh
@@ -113,14 +107,6 @@ def take(x: Any, indices: Any, axis: Any = None):
     return dtensor.relayout(taken, dtensor.Layout(output, forward_mesh()))
 
 
-def eye(N: Any, M: Any = None, k: Any = 0, dtype: Any = None):  # noqa: N803 (Keras' names)
-    """`keras.ops.eye` on a mesh: ones where the column is the row plus `k`."""
-    dtype = standardize_dtype(dtype or config.floatx())
-    M = N if M is None else M  # noqa: N806
-    rows = tf.range(N, dtype="int32")[:, None] + tf.cast(k, "int32")
-    return tf.cast(tf.equal(rows, tf.range(M, dtype="int32")[None, :]), dtype)
-
-
 LOWERINGS = (
     Lowering(
         _KERAS_NN,
@@ -139,12 +125,6 @@ LOWERINGS = (
         "take",
         "tfmp.lowering.indexing:take",
         "GatherV2's expansion refuses an output split unlike the table",
-    ),
-    Lowering(
-        _KERAS_NUMPY,
-        "eye",
-        "tfmp.lowering.indexing:eye",
-        "tf.eye is a MatrixDiagV3, which DTensor has no layout rule for",
     ),
 )
 

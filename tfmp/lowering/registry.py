@@ -56,6 +56,7 @@ _FAMILIES = (
     "tfmp.lowering.elementwise",
     "tfmp.lowering.arrays",
     "tfmp.lowering.loops",
+    "tfmp.lowering.replicated",
 )
 
 

@@ -2,13 +2,13 @@
 
 Keras' TensorFlow backend runs a recurrence as a `tf.while_loop` over
 TensorArrays, whose TensorList ops (and those of while_v2's gradient) DTensor
-cannot lay out; it reverses sequences with `ReverseV2`, which DTensor cannot
-lay out either; on a GPU its LSTM and GRU call cuDNN kernels DTensor cannot
+cannot lay out; on a GPU its LSTM and GRU call cuDNN kernels DTensor cannot
 expand; and DTensor's `Split` refuses the gate dimension of an LSTM or GRU
 whose kernel columns are split over the mesh. On a mesh, tfmp unrolls the
 recurrence over its static time steps (Keras' own `unroll=True` path: unstack,
-Python loop, stack), keeps LSTM and GRU on that generic path, reverses with a
-gather of reversed indices, and splits with slices. A TensorArray a layer
+Python loop, stack), keeps LSTM and GRU on that generic path, reverses a
+sequence run backwards with a gather of reversed indices (`ReverseV2` has no
+layout rule), and splits with slices. A TensorArray a layer
 fills in a Python loop is a list of tensors on a mesh.
 """
 
@@ -89,8 +89,8 @@ def rnn(
         # Keras' unrolled path zeroes masked outputs (zero_output_for_mask)
         # with the mask in forward order while its outputs are in backward
         # order; running forward over reversed inputs and mask avoids that.
-        inputs = tree.map_structure(lambda t: flip(t, time_axis), inputs)
-        mask = None if mask is None else flip(mask, time_axis)
+        inputs = tree.map_structure(lambda t: _reversed(convert_to_tensor(t), time_axis), inputs)
+        mask = None if mask is None else _reversed(convert_to_tensor(mask), time_axis)
     last_output, outputs, states = keras_original(_KERAS_RNN, "rnn")(
         step_function,
         inputs,
@@ -169,32 +169,14 @@ def _static_cuts(length: int | None, indices_or_sections: Any) -> list[int] | No
         return None
 
 
-def flip(x: Any, axis: int | tuple[int, ...] | list[int] | None = None) -> tf.Tensor:
-    """Keras' `numpy.flip` as a gather of reversed indices along each flipped axis.
-
-    Args:
-        x: A tensor.
-        axis: The axis or axes to reverse; None reverses every axis.
-
-    Returns:
-        `x` with the entries along `axis` in reverse order.
-    """
-    x = convert_to_tensor(x)
-    rank = x.shape.rank
-    axes = range(rank) if axis is None else tree.flatten(axis)
-    for a in sorted({a % rank for a in axes}):
-        x = tf.gather(x, _reversed_indices(x, a), axis=a)
-    return x
-
-
-def fliplr(x: Any) -> tf.Tensor:
-    """Keras' `numpy.fliplr`: reverses axis 1."""
-    return flip(x, 1)
-
-
-def flipud(x: Any) -> tf.Tensor:
-    """Keras' `numpy.flipud`: reverses axis 0."""
-    return flip(x, 0)
+def _reversed(x: tf.Tensor, axis: int) -> tf.Tensor:
+    """`x` with the entries along `axis` in reverse order, as a gather of
+    reversed indices (`ReverseV2` has no layout rule; the gather keeps the
+    other dimensions' splits)."""
+    length = x.shape[axis]
+    if length is None:
+        length = tf.shape(x)[axis]
+    return tf.gather(x, tf.range(length - 1, -1, -1), axis=axis)
 
 
 def list_backed_tensor_arrays(init: Callable) -> Callable:
@@ -231,15 +213,6 @@ def list_backed_tensor_arrays(init: Callable) -> Callable:
     return wrapper
 
 
-def _reversed_indices(x: tf.Tensor, axis: int) -> tf.Tensor:
-    length = x.shape[axis]
-    if length is None:
-        length = tf.shape(x)[axis]
-    return tf.range(length - 1, -1, -1)
-
-
-_REVERSE_V2 = "tf.reverse (ReverseV2) has no DTensor layout propagation"
-
 LOWERINGS: tuple[Lowering, ...] = (
     Lowering(
         _NUMPY,
@@ -255,7 +228,4 @@ LOWERINGS: tuple[Lowering, ...] = (
     ),
     Lowering(_BACKEND, "lstm", f"{_HERE}:generic_recurrence", "cuDNN's CudnnRNNV3 on a GPU"),
     Lowering(_BACKEND, "gru", f"{_HERE}:generic_recurrence", "cuDNN's CudnnRNNV3 on a GPU"),
-    Lowering(_NUMPY, "flip", f"{_HERE}:flip", _REVERSE_V2),
-    Lowering(_NUMPY, "fliplr", f"{_HERE}:fliplr", _REVERSE_V2, since="3.14"),
-    Lowering(_NUMPY, "flipud", f"{_HERE}:flipud", _REVERSE_V2, since="3.14"),
 )

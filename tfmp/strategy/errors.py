@@ -50,7 +50,7 @@ def explain(error: tf.errors.OpError, model: Any) -> ValueError:
     cause = next((line.strip() for line in text.splitlines() if "error:" in line), text.splitlines()[0])
     cause = cause.split("error:", 1)[-1].strip()
     function = _FUNCTION.search(text)
-    layers = sorted({_layer_path(name) for name in _nodes_of_type(function.group(1), op)}) if function else []
+    layers = sorted({layer_path(name) for name in _nodes_of_type(function.group(1), op)}) if function else []
     where = f"in layer {', '.join(map(repr, layers))}" if layers else "in the step"
     batch = _undivided_batch(cause, model)
     if batch is not None:
@@ -154,7 +154,7 @@ def _nodes_of_type(function_name: str, op: str) -> Iterator[str]:
                     pending.append(value.func.name)
 
 
-def _layer_path(node_name: str) -> str:
+def layer_path(node_name: str) -> str:
     """`"sequential_1/my_reverse_1/ReverseV2"` -> `"sequential/my_reverse"`:
     the layer's path, without TensorFlow's uniquifying suffixes."""
     parts = [p for p in node_name.split("/")[:-1] if p not in ("gradient_tape", "StatefulPartitionedCall")]

@@ -14,6 +14,8 @@ from typing import Any
 
 from tensorflow.python.eager import context
 
+from tfmp.strategy.replicated_ops import note_replicated_ops
+
 # Batches fed with collection on: the first step runs on one of the first
 # two whether or not a loop reads a batch of its own before it (Keras' fit
 # reads none under tfmp: `tfmp.strategy.epoch_iterator`); the graphs are read
@@ -54,9 +56,9 @@ class FirstStepGraphs:
         context.disable_graph_collection()
         context.disable_run_metadata()
         if metadata is not None:
-            self.function_graphs += [
-                graph for graph in metadata.function_graphs if graph.partition_graphs
-            ]
+            captured = [graph for graph in metadata.function_graphs if graph.partition_graphs]
+            note_replicated_ops(captured)
+            self.function_graphs += captured
         self._has_train_step = any(map(is_train_step, self.function_graphs))
 
     def _start(self) -> None:
