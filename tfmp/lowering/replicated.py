@@ -117,6 +117,6 @@ _FUNCTIONS = (
 )
 
 LOWERINGS = tuple(
-    Lowering(module, name, f"{__name__}:{name}", f"{op} {why}", since)
+    Lowering(module, name, f"{__name__}:{name}", f"{op} {why}", since=since)
     for module, name, op, why, since in _FUNCTIONS
 )
