@@ -323,3 +323,37 @@ SPLIT_3D = {
 
 def test_conv3d_family_split():
     assert_parity(build_3d, rules(SPLIT_3D), *data((4, 5, 4, 2)))
+
+
+def build_depthwise() -> keras.Model:
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((9, 9, 4)),
+            layers.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2, name="strided"),
+            layers.DepthwiseConv2D(2, dilation_rate=2, padding="same", name="dilated"),
+            layers.SeparableConv2D(8, 2, strides=2, padding="same", name="separable"),
+            layers.Permute((3, 1, 2)),
+            layers.DepthwiseConv2D(2, padding="same", data_format="channels_first", name="first"),
+            layers.GlobalAveragePooling2D(data_format="channels_first"),
+            layers.Dense(3, name="out"),
+        ]
+    )
+
+
+SPLIT_DEPTHWISE = {
+    "strided/kernel": CHANNELS,
+    "strided/bias": ("model",),
+    "dilated/kernel": CHANNELS,
+    "separable/depthwise_kernel": CHANNELS,
+    "separable/pointwise_kernel": CHANNELS,
+}
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=["2x4", "8x1"])
+def test_depthwise_and_separable_layers_match_one_device(shape):
+    """Strides, dilation (SpaceToBatchND), a depth multiplier and
+    channels-first, on inputs gathered whole; 37 rows at batch 8 end in a
+    batch that does not divide the batch axis."""
+    x, y = data((9, 9, 4), samples=37)
+    assert_parity(build_depthwise, rules(SPLIT_DEPTHWISE), x, y, mesh_shape=shape, steps=5, batch_size=8)
