@@ -184,8 +184,9 @@ TABLE_RULES = {
 # Every Keras optimizer, and LossScaleOptimizer around one whose update
 # divides and sums rows of unknown number. Left out: centered RMSprop (with
 # repeated ids its denominator goes negative, and Keras' sparse division then
-# fails on one device too) and ScheduleFreeAdamW (on the mesh it trains apart
-# from one device on a model without tables too: another matter).
+# fails on one device too) and ScheduleFreeAdamW (plain Keras resets its
+# momentum at every step: test_keras_api compares it with an optimizer built
+# before fit).
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.05),
     "nesterov-sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
