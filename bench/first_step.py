@@ -89,10 +89,10 @@ def _timed_lowerings(seconds: collections.Counter):
     depth = [0]
     patched = []
     for lowering in registry.lowerings():
-        if not lowering.in_installed_keras():
+        if not lowering.in_installed_library():
             continue
-        module, _ = lowering.resolve()
-        original = getattr(module, lowering.name)
+        module = lowering.owner()
+        original = getattr(module, lowering.attribute)
 
         @functools.wraps(original)
         def timed(*args, original=original, **kwargs):
@@ -105,8 +105,8 @@ def _timed_lowerings(seconds: collections.Counter):
                 if depth[0] == 0 and registry.forward_mesh() is not None:
                     seconds["lowering"] += time.perf_counter() - start
 
-        setattr(module, lowering.name, timed)
-        patched.append((module, lowering.name, original))
+        setattr(module, lowering.attribute, timed)
+        patched.append((module, lowering.attribute, original))
     try:
         yield
     finally:

@@ -105,10 +105,10 @@ def _functions(case: dict) -> dict:
     # The raw op traced again: the spread of two timings of one thing.
     ways = {"raw": raw, "raw again": raw, "gathered": gathered_first(module, name, case["name"].split()[0])}
     for lowering in registry.lowerings():
-        if (lowering.module, lowering.name) == (module, name) and lowering.replacement.split(":")[0] != (
+        if (lowering.target, lowering.attribute) == (module, name) and lowering.wrapper.split(":")[0] != (
             "tfmp.lowering.replicated"
         ):
-            ways["rewrite"] = lowering.resolve()[1]
+            ways["rewrite"] = lowering.wrapper_function()
     return ways
 
 
@@ -215,8 +215,8 @@ def _tfmp_way(case: dict) -> str:
     """The way tfmp runs the case's function: its registered lowering, else raw."""
     module = f"keras.src.backend.tensorflow.{case['fn'][0]}"
     for lowering in registry.lowerings():
-        if (lowering.module, lowering.name) == (module, case["fn"][1]):
-            return "gathered" if lowering.replacement.startswith("tfmp.lowering.replicated") else "rewrite"
+        if (lowering.target, lowering.attribute) == (module, case["fn"][1]):
+            return "gathered" if lowering.wrapper.startswith("tfmp.lowering.replicated") else "rewrite"
     return "raw"
 
 

@@ -175,11 +175,11 @@ def test_errors_name_the_argument_and_the_fix():
 
 
 def test_lowerings_take_keras_arguments():
-    names = {lowering.name for lowering in lowered.LOWERINGS}
+    names = {lowering.attribute for lowering in lowered.LOWERINGS}
     assert names == {"add", "conv", "conv_transpose"}
     for lowering in lowered.LOWERINGS:
-        module, replacement = lowering.resolve()
-        keras_function = getattr(module, lowering.name)
+        module, replacement = lowering.owner(), lowering.wrapper_function()
+        keras_function = getattr(module, lowering.attribute)
         keras_signature = inspect.signature(getattr(keras_function, "__wrapped_keras__", keras_function))
         assert inspect.signature(replacement).parameters.keys() == keras_signature.parameters.keys()
         for name, parameter in keras_signature.parameters.items():

@@ -25,8 +25,8 @@ vocabulary, "EmitAllScatter requires slice on input axis 0 which is
 dynamic"; split over the features, its `Slice` takes 0 rows (measured:
 `size = [0, 2]` for a `?x8` tensor), and the sum then fails with
 "data.shape = [0,2] does not start with segment_ids.shape = [64]". So during
-a sparse update a sum of rows of unknown number also runs on whole operands,
-and its table-sized result, of known shape, is pinned replicated: DTensor
+a sparse update that divided, a sum of rows of unknown number also runs on
+whole operands, and its table-sized result, of known shape, is pinned replicated: DTensor
 then cuts the table, not the rows. The quotient keeps the dividend's
 `dense_shape` (both branches have it), so that the sum has a known number of
 rows too.
@@ -55,12 +55,12 @@ _update = threading.local()
 @contextlib.contextmanager
 def sparse_update_on(mesh: dtensor.Mesh) -> Iterator[None]:
     """A variable of `mesh` is updated with a sparse gradient in the block."""
-    previous = getattr(_update, "mesh", None)
-    _update.mesh = mesh
+    previous = getattr(_update, "mesh", None), getattr(_update, "divided", False)
+    _update.mesh, _update.divided = mesh, False
     try:
         yield
     finally:
-        _update.mesh = previous
+        _update.mesh, _update.divided = previous
 
 
 def _sparse_update_mesh() -> dtensor.Mesh | None:
@@ -88,6 +88,7 @@ def whole_sparse_division(divide: Callable) -> Callable:
             tf.IndexedSlices(_whole(x1.values, mesh), _whole(x1.indices, mesh), x1.dense_shape),
             _whole(x2, mesh),
         )
+        _update.divided = True
         if isinstance(quotient, tf.IndexedSlices):
             return tf.IndexedSlices(
                 _whole(quotient.values, mesh), _whole(quotient.indices, mesh), x1.dense_shape
@@ -99,12 +100,18 @@ def whole_sparse_division(divide: Callable) -> Callable:
 
 def whole_rows_segment_sum(segment_sum: Callable) -> Callable:
     """TensorFlow's `unsorted_segment_sum`, on whole operands for rows of
-    unknown number during a sparse update on a mesh."""
+    unknown number during a sparse update on a mesh that divided whole.
+
+    Only after such a division: its rows are whole already, so making them
+    whole moves nothing. Rows of unknown number split by DTensor (tf_keras'
+    optimizers merging duplicate ids, then scattering them) would be gathered
+    over a dimension DTensor cannot gather (0 rows come back, measured), and
+    DTensor lays those sums out itself."""
 
     @functools.wraps(segment_sum)
     def wrapper(data: Any, segment_ids: Any, num_segments: Any, name: str | None = None) -> Any:
         mesh = _sparse_update_mesh()
-        if mesh is None or not _has_unknown_rows(data):
+        if mesh is None or not _update.divided or not _has_unknown_rows(data):
             return segment_sum(data, segment_ids, num_segments, name=name)
         total = segment_sum(_whole(data, mesh), _whole(segment_ids, mesh), num_segments, name=name)
         return _whole(total, mesh)

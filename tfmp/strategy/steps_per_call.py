@@ -24,6 +24,7 @@ from tensorflow.experimental import dtensor
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from tfmp.strategy.extended import extended_of
+from tfmp.strategy.small_batch_values import SmallBatchValue
 
 
 def steps_per_call(make_function: Callable) -> Callable:
@@ -61,17 +62,12 @@ def _multi_step_function(model: Any, step_function: Callable) -> Callable:
         # One copy of the step for all the batches after the first: within a
         # call a collective run again by the loop reuses TensorFlow's record
         # of it, where k traced copies would keep k (docs/performance.md).
-        stacked = tf.nest.map_structure(
-            lambda *leaves: None if leaves[0] is None else tf.stack(leaves), *rest
-        )
+        stacked = tf.nest.map_structure(_stacked, *rest)
         outputs = step(first)
 
         def body(index, outputs):
             del outputs
-            data = tf.nest.map_structure(
-                lambda leaves: None if leaves is None else tf.gather(leaves, index), stacked
-            )
-            return index + 1, step(data)
+            return index + 1, step(tf.nest.map_structure(lambda leaves: _at(leaves, index), stacked))
 
         _, outputs = tf.while_loop(
             lambda index, _: index < len(rest), body, (tf.constant(0), outputs)
@@ -92,15 +88,36 @@ def _multi_step_function(model: Any, step_function: Callable) -> Callable:
     return function
 
 
+def _stacked(*leaves: Any) -> Any:
+    """The same value of each batch, stacked on a new first dimension."""
+    if leaves[0] is None:
+        return None
+    if isinstance(leaves[0], SmallBatchValue):
+        return SmallBatchValue(tf.stack([leaf.carried for leaf in leaves]), leaves[0].dtype_name)
+    return tf.stack(leaves)
+
+
+def _at(leaves: Any, index: tf.Tensor) -> Any:
+    """One batch's value out of `_stacked`'s."""
+    if leaves is None:
+        return None
+    if isinstance(leaves, SmallBatchValue):
+        return SmallBatchValue(tf.gather(leaves.carried, index), leaves.dtype_name)
+    return tf.gather(leaves, index)
+
+
 def _same_layouts(batches: list[Any]) -> bool:
     """Whether every batch has the first one's structure, shapes, dtypes and
     layouts (so that one traced step runs them all)."""
+    def described(leaf):
+        if isinstance(leaf, SmallBatchValue):
+            return (leaf.dtype_name, *described(leaf.carried))
+        if isinstance(leaf, tf.Tensor):
+            return (leaf.shape, leaf.dtype, dtensor.fetch_layout(leaf) if dtensor.is_dtensor(leaf) else None)
+        return leaf
+
     def signature(batch):
-        return [
-            (leaf.shape, leaf.dtype, dtensor.fetch_layout(leaf) if dtensor.is_dtensor(leaf) else None)
-            if isinstance(leaf, tf.Tensor) else leaf
-            for leaf in tf.nest.flatten(batch)
-        ]
+        return [described(leaf) for leaf in tf.nest.flatten(batch)]
 
     try:
         for batch in batches[1:]:
