@@ -142,6 +142,9 @@ for _op, _run in {
     ),
     "MatrixBandPart": lambda a: tf.linalg.band_part(_SQUARE * a, -1, 0),
     "MatrixDiagV3": lambda a: tf.linalg.diag(tf.stack([a, a])),
+    "ConcatOffset": lambda a: tf.raw_ops.ConcatOffset(
+        concat_dim=0, shape=[tf.cast(tf.stack([a, a]), tf.int32), tf.cast(tf.stack([2.0 * a, a]), tf.int32)]
+    ),
     "ImageProjectiveTransformV3": lambda a: tf.raw_ops.ImageProjectiveTransformV3(
         images=tf.ones([1, 4, 4, 1]) * a, transforms=[[1.0, 0, 1, 0, 1, 0, 0, 0]], output_shape=[4, 4],
         fill_value=0.0, interpolation="BILINEAR",

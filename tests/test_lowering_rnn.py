@@ -10,7 +10,16 @@ from keras.src import backend
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import MinimalCell, assert_parity, mesh, rules
+from helpers import (
+    BatchLosses,
+    MinimalCell,
+    assert_parity,
+    assert_weights_close,
+    initial_weights,
+    mesh,
+    rules,
+    strategy_on,
+)
 from tfmp.forward import forward_on
 from tfmp.layout import replicated
 from tfmp.lowering import rnn as rnn_lowering
@@ -43,38 +52,107 @@ def sequences(seed: int) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("zero_output_for_mask", [False, True], ids=["keep", "zero"])
 @pytest.mark.parametrize("return_all_outputs", [False, True], ids=["last", "all"])
 @pytest.mark.parametrize("time_major", [False, True], ids=["batch_major", "time_major"])
-def test_unrolled_rnn_matches_keras_loop(
-    go_backwards, masked, zero_output_for_mask, return_all_outputs, time_major
-):
-    """Off a mesh, against Keras' while loop, with nested inputs and constants."""
+def test_rnn_matches_keras_loop(go_backwards, masked, zero_output_for_mask, return_all_outputs, time_major):
+    """Off a mesh, against Keras' while loop, with nested inputs and
+    constants: the outputs, and the gradients of the inputs, the initial
+    states, the constants and a variable the step reads. In float64, to
+    1e-12: the gradients add up each step's part in another order than
+    Keras' loop (float32: up to 7e-6 relative apart; float64: 7e-15), and
+    TensorFlow's graph optimizer fuses the two loops' ops differently (1 ulp)."""
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(3, 5, 2)), tf.float32)
+    x = tf.constant(rng.normal(size=(3, 5, 2)), tf.float64)
     mask = tf.constant([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 1, 0, 1, 1]]) > 0
-    kernel = tf.constant(rng.normal(size=(2, 2)), tf.float32)
-    bias = tf.constant(rng.normal(size=(3, 2)), tf.float32)
+    kernel = tf.Variable(rng.normal(size=(2, 2)), dtype=tf.float64)
+    bias = tf.constant(rng.normal(size=(3, 2)), tf.float64)
+    initial_states = [tf.constant(rng.normal(size=(3, 2)), tf.float64), tf.ones((3, 2), tf.float64)]
 
     def step(inputs, states):
         output = tf.tanh(inputs[0] @ kernel + inputs[1] + states[0] + states[2])
-        return output, [output, states[1] + output]
+        return output, [output, states[1] * output]
 
     if time_major:
         x, mask = tf.transpose(x, (1, 0, 2)), tf.transpose(mask)
-    arguments = dict(
-        step_function=step,
-        inputs=(x, 2 * x),
-        initial_states=[tf.zeros((3, 2)), tf.ones((3, 2))],
-        go_backwards=go_backwards,
-        mask=mask if masked else None,
-        constants=[bias],
-        input_length=5,  # Keras' loop reads it off axis 1 otherwise, even time-major
-        time_major=time_major,
-        zero_output_for_mask=zero_output_for_mask,
-        return_all_outputs=return_all_outputs,
-    )
-    want = importlib.import_module("keras.src.backend.tensorflow.rnn").rnn(**arguments)
-    got = rnn_lowering.rnn(**arguments)
-    for expected, actual in zip(tf.nest.flatten(want), tf.nest.flatten(got)):
-        np.testing.assert_array_equal(actual, expected)
+
+    @tf.function  # as in a training step: eagerly the recurrence is unrolled
+    def run(rnn):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([x, bias, *initial_states])
+            results = rnn(
+                step_function=step,
+                inputs=(x, 2 * x),
+                initial_states=initial_states,
+                go_backwards=go_backwards,
+                mask=mask if masked else None,
+                constants=[bias],
+                input_length=5,  # Keras' loop reads it off axis 1 otherwise, even time-major
+                time_major=time_major,
+                zero_output_for_mask=zero_output_for_mask,
+                return_all_outputs=return_all_outputs,
+            )
+            flat = tf.nest.flatten(results)
+            loss = sum(tf.reduce_sum(r * (i + 1.0)) for i, r in enumerate(flat))
+        return flat, tape.gradient(loss, [x, bias, kernel, *initial_states])
+
+    want, want_gradients = run(importlib.import_module("keras.src.backend.tensorflow.rnn").rnn)
+    got, got_gradients = run(rnn_lowering.rnn)
+    for expected, actual in zip(want + want_gradients, got + got_gradients, strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def _traced_gradient(rnn, time_steps: int, step) -> tf.Graph:
+    def gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            last, _, _ = rnn(step, x, [tf.zeros((4, 2))])
+        return tape.gradient(last, x)
+
+    return tf.function(gradient).get_concrete_function(tf.TensorSpec((4, time_steps, 2))).graph
+
+
+def _elman(inputs, states):
+    output = tf.tanh(inputs + states[0])
+    return output, [output]
+
+
+def _loops(graph: tf.Graph) -> int:
+    return sum(op.type in ("While", "StatelessWhile") for op in graph.get_operations())
+
+
+def test_recurrence_is_one_loop_whatever_its_length():
+    """The traced step and its gradient do not grow with the sequence: two
+    loops (forward, and backward in the gradient) of one step each."""
+
+    sizes = {steps: len(_traced_gradient(rnn_lowering.rnn, steps, _elman).get_operations()) for steps in (4, 32)}
+    assert sizes[4] == sizes[32], sizes
+    assert _loops(_traced_gradient(rnn_lowering.rnn, 4, _elman)) == 1  # the gradient's loop is in a function
+
+
+def test_step_that_draws_random_numbers_is_unrolled():
+    """Running it again in the gradient would draw other numbers."""
+    generator = keras.random.SeedGenerator(1)
+
+    def step(inputs, states):
+        return _elman(inputs + keras.random.normal((4, 2), seed=generator), states)
+
+    graph = _traced_gradient(rnn_lowering.rnn, 4, step)
+    assert _loops(graph) == 0
+    assert len(graph.get_operations()) < len(_traced_gradient(rnn_lowering.rnn, 8, step).get_operations())
+
+
+def test_step_reading_a_watched_tensor_is_unrolled_with_its_gradient():
+    """A tensor the step reads (not an argument) whose gradient is asked for:
+    unrolled, so that the gradient reaches it."""
+    x = tf.constant(np.random.default_rng(1).normal(size=(4, 3, 2)), tf.float32)
+
+    @tf.function
+    def gradients(rnn, scale):
+        with tf.GradientTape() as tape:
+            tape.watch(scale)
+            last, _, _ = rnn(lambda inputs, states: _elman(scale * inputs, states), x, [tf.zeros((4, 2))])
+        return tape.gradient(last, scale)
+
+    want = gradients(importlib.import_module("keras.src.backend.tensorflow.rnn").rnn, tf.constant(1.5))
+    np.testing.assert_allclose(gradients(rnn_lowering.rnn, tf.constant(1.5)), want, rtol=1e-6)
 
 
 def build_recurrent_stack() -> keras.Model:
@@ -184,15 +262,73 @@ class Doubled(keras.layers.Layer):
         return 2.0 * self.layer(x)
 
 
-def test_unknown_number_of_time_steps_is_a_clear_error():
+def build_any_length() -> keras.Model:
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(10, 4, mask_zero=True, name="embedding")(tokens)
+    x = Doubled(keras.layers.LSTM(4, return_sequences=True, name="lstm"))(x)
+    x = keras.layers.Bidirectional(keras.layers.GRU(4, name="gru"), name="bidirectional")(x)
+    return keras.Model(tokens, keras.layers.Dense(2, name="head")(x))
+
+
+def test_sequences_of_any_length_train_as_one_device():
+    """Batches padded to their own longest sequence (`padded_batch`): Keras
+    traces the step again with the time dimension unknown, and the
+    recurrences run as loops over it. A last, smaller batch would be traced
+    with its batch unknown too, which the loop refuses (named error below):
+    dropped here."""
+    rng = np.random.default_rng(5)
+    sequences = [rng.integers(1, 10, size=n) for n in rng.integers(2, 9, size=37)]
+    targets = rng.normal(size=(37, 2)).astype("float32")
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((tf.ragged.constant(sequences), targets))
+        .map(lambda tokens, target: (tokens.to_tensor() if hasattr(tokens, "to_tensor") else tokens, target))
+        .padded_batch(8, drop_remainder=True)
+    )
+    weights = initial_weights(build_any_length)
+    models = []
+    for strategy in (tf.distribute.get_strategy(), strategy_on((2, 4), rules({**LSTM_GATES, **GRU_GATES}))):
+        with strategy.scope():
+            model = build_any_length()
+            model.set_weights(weights)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        recorder = BatchLosses()
+        model.fit(dataset, epochs=2, verbose=0, callbacks=[recorder])
+        models.append((model, recorder.losses))
+    (reference, want_losses), (model, losses) = models
+    assert len(losses) == 8
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+    assert_weights_close(reference.get_weights(), model.get_weights())
+    np.testing.assert_allclose(model.predict(dataset, verbose=0), reference.predict(dataset, verbose=0), atol=1e-5)
+
+
+class NoisyCell(keras.layers.Layer):
+    """An Elman cell that adds noise to its state at every step."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.state_size = units, units
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units))
+
+    def call(self, inputs, states):
+        noise = keras.random.normal((self.units,), stddev=0.01, seed=self.seed_generator)
+        output = keras.ops.tanh(inputs @ self.kernel + states[0] + noise)
+        return output, [output]
+
+
+def test_unknown_number_of_time_steps_is_a_clear_error_for_a_step_that_draws():
+    """A step that draws random numbers is unrolled (running it again in the
+    gradient would draw others), which needs the number of time steps."""
     strategy = tfmp.ModelParallelStrategy(mesh((2, 4)))
     with strategy.scope():  # inferring shapes needs no static time steps
         x = keras.Input((None, FEATURES))
-        model = keras.Model(x, Doubled(keras.layers.LSTM(4, name="lstm"))(x))
+        model = keras.Model(x, Doubled(keras.layers.RNN(NoisyCell(4), name="noisy"))(x))
     rng = np.random.default_rng(5)
     model.predict(rng.normal(size=(8, SEQ, FEATURES)).astype("float32"), verbose=0)
     # A second length makes Keras retrace with the time dimension relaxed to None.
-    with pytest.raises(ValueError, match=r"(?s)lstm.*\(8, None, 3\).*fixed sequence length"):
+    with pytest.raises(ValueError, match=r"(?s)noisy.*\(8, None, 3\).*draws no random numbers.*fixed sequence length"):
         model.predict(rng.normal(size=(8, SEQ + 2, FEATURES)).astype("float32"), verbose=0)
 
 

@@ -94,6 +94,13 @@ REPLICATED_OPS = (
     # `keras.ops.eye`, which has no tensor input to gather (Qwen 3.5's gated
     # delta net adds `ops.eye(chunk_size)`).
     "MatrixDiagV3",
+    # Shape arithmetic where a dimension is known only at run time (sequences
+    # of any length): a tensor's number of elements (the gradient of a gather
+    # along such a dimension: a recurrence run backwards) and where each part
+    # of a concatenation starts (its gradient: Bidirectional's outputs). Small
+    # integer vectors, the same on every device.
+    "Size",
+    "ConcatOffset",
 )
 REPLICATED_BY_DEFAULT = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF."
 

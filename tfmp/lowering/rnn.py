@@ -1,15 +1,21 @@
-"""Recurrent layers as unrolled loops, sequence reversal as a gather.
+"""Recurrent layers as one loop with its own gradient, sequence reversal as a gather.
 
 Keras' TensorFlow backend runs a recurrence as a `tf.while_loop` over
 TensorArrays, whose TensorList ops (and those of while_v2's gradient) DTensor
 cannot lay out; on a GPU its LSTM and GRU call cuDNN kernels DTensor cannot
 expand; and DTensor's `Split` refuses the gate dimension of an LSTM or GRU
-whose kernel columns are split over the mesh. On a mesh, tfmp unrolls the
-recurrence over its static time steps (Keras' own `unroll=True` path: unstack,
-Python loop, stack), keeps LSTM and GRU on that generic path, reverses a
-sequence run backwards with a gather of reversed indices (`ReverseV2` has no
-layout rule), and splits with slices. A TensorArray a layer
-fills in a Python loop is a list of tensors on a mesh.
+whose kernel columns are split over the mesh. On a mesh, tfmp runs the
+recurrence as one `tf.while_loop` over tensors, with a backward loop as its
+gradient (`tfmp.lowering.rnn_loop`): the graph holds one step whatever the
+sequence's length, which may be known only at run time. Where the step
+cannot run again in the gradient (it draws random numbers, changes a
+variable, reads a tensor whose gradient is taken) or a dimension other than
+time is unknown when traced, tfmp unrolls it over its static time steps
+(Keras' own `unroll=True` path: unstack, Python loop, stack). LSTM and GRU
+stay on that generic path, a sequence run backwards is reversed with a
+gather of reversed indices (`ReverseV2` has no layout rule), and splits are
+slices. A TensorArray a layer fills in a Python loop is a list of tensors on
+a mesh.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from keras.src.backend.tensorflow.core import convert_to_tensor
 
 from tfmp.forward import forward_mesh
 from tfmp.lowering.registry import Lowering, keras_original
+from tfmp.lowering.rnn_loop import looped_rnn
 
 _BACKEND = "keras.src.backend"
 _KERAS_RNN = "keras.src.backend.tensorflow.rnn"
@@ -47,19 +54,40 @@ def rnn(
     zero_output_for_mask: bool = False,
     return_all_outputs: bool = True,
 ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]:
-    """Keras' `backend.rnn`, always unrolled over the static time steps.
+    """Keras' `backend.rnn` as one loop, else unrolled over the static time steps.
 
     Takes and returns what Keras' `keras.src.backend.tensorflow.rnn.rnn` does;
-    `unroll` is ignored (always unrolled). Keras' unrolled path slices the
-    time steps with `Unpack`, masks with `Select` and joins them with `Pack`,
-    all of which DTensor lays out. The graph grows with the number of steps.
+    `unroll` is ignored. The loop is `tfmp.lowering.rnn_loop.looped_rnn`.
+    Keras' unrolled path slices the time steps with `Unpack`, masks with
+    `Select` and joins them with `Pack`, all of which DTensor lays out; its
+    graph grows with the number of steps.
 
     Raises:
-        ValueError: If the number of time steps is not known when tracing.
+        ValueError: If the recurrence cannot loop and the number of time
+            steps is not known when tracing.
     """
     time_axis = 0 if time_major else 1
     first_input = tree.flatten(inputs)[0]
     time_steps = first_input.shape[time_axis]
+    if go_backwards:
+        # Keras' unrolled path zeroes masked outputs (zero_output_for_mask)
+        # with the mask in forward order while its outputs are in backward
+        # order; running forward over reversed inputs and mask avoids that.
+        inputs = tree.map_structure(lambda t: _reversed(convert_to_tensor(t), time_axis), inputs)
+        mask = None if mask is None else _reversed(convert_to_tensor(mask), time_axis)
+    if not in_symbolic_scope():
+        looped = looped_rnn(
+            step_function,
+            inputs,
+            initial_states,
+            mask,
+            list(constants or []),
+            time_major,
+            zero_output_for_mask,
+            return_all_outputs,
+        )
+        if looped is not None:
+            return looped
     if time_steps is None:
         if in_symbolic_scope():
             # Keras only infers output shapes here: the graph never runs.
@@ -79,18 +107,18 @@ def rnn(
         raise ValueError(
             f"Layer '{current_path() or 'rnn'}' runs a recurrence over input of shape "
             f"{first_input.shape}, whose number of time steps (axis {time_axis}) is "
-            "unknown when traced. On a tfmp mesh a recurrence is unrolled over a "
-            "static number of time steps: give the model's Input a fixed sequence "
-            "length, e.g. keras.Input((timesteps, features)), and pad shorter "
-            "sequences to it (with Masking or Embedding(mask_zero=True) to skip "
-            "the padding)."
+            "unknown when traced. On a tfmp mesh a recurrence runs as one loop over "
+            "any number of time steps only when every other dimension is known (a "
+            "last batch smaller than the others is traced with an unknown batch: "
+            "batch with drop_remainder=True, e.g. padded_batch(8, drop_remainder=True)) "
+            "and its step can run again in the gradient (it draws no random numbers, "
+            "changes no variable and reads no tensor whose gradient is taken other than "
+            "its inputs, states and constants: draw such noise once per sequence, before "
+            "the layer). Otherwise it is unrolled over a static number of time steps: "
+            "give the model's Input a fixed sequence length, e.g. keras.Input((timesteps, "
+            "features)), and pad shorter sequences to it (with Masking or "
+            "Embedding(mask_zero=True) to skip the padding)."
         )
-    if go_backwards:
-        # Keras' unrolled path zeroes masked outputs (zero_output_for_mask)
-        # with the mask in forward order while its outputs are in backward
-        # order; running forward over reversed inputs and mask avoids that.
-        inputs = tree.map_structure(lambda t: _reversed(convert_to_tensor(t), time_axis), inputs)
-        mask = None if mask is None else _reversed(convert_to_tensor(mask), time_axis)
     last_output, outputs, states = keras_original(_KERAS_RNN, "rnn")(
         step_function,
         inputs,

@@ -1,0 +1,242 @@
+"""A recurrence on a mesh as one `tf.while_loop` with its own gradient.
+
+Keras' loop keeps its steps in TensorArrays, and TensorFlow's gradient of any
+`tf.while_loop` keeps each step's intermediates in TensorLists; DTensor lays
+out neither. This loop keeps the outputs and the states entering each step in
+tensors of shape `(time, batch, ...)` (a step is written in by adding it
+times a one-hot of its time step: exact, and an op DTensor lays out), and its
+gradient is a second loop, backwards over time, that runs the step again under
+a tape from the stored states and adds up what each step gives to the
+weights, the states and the inputs. The graph holds the step twice (forward
+and backward), whatever the number of time steps, and takes sequences whose
+length is known only when the step runs.
+
+A step that draws random numbers or changes a variable would draw or change
+again in the backward loop, and a step that reads a tensor the tape watches
+(other than its inputs, states and constants) would lose that gradient; and
+DTensor lays out a loop only with every dimension but time known when
+traced. For those, `looped_rnn` returns None and the caller unrolls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import tensorflow as tf
+from keras.src import tree
+from tensorflow.python.eager import record
+from tensorflow.python.framework import func_graph
+
+# Ops a step may hold that give the same values when run again.
+_REPEATABLE_STATEFUL_OPS = frozenset({"ReadVariableOp", "VarHandleOp", "DTensorLayout", "Relayout"})
+
+
+def looped_rnn(
+    step_function: Callable,
+    inputs: Any,
+    initial_states: Any,
+    mask: tf.Tensor | None,
+    constants: list[tf.Tensor],
+    time_major: bool,
+    zero_output_for_mask: bool,
+    return_all_outputs: bool,
+) -> tuple[tf.Tensor, tf.Tensor, Any] | None:
+    """Keras' `backend.rnn` (forward in time) as a loop, or None where the
+    step cannot be run again in the gradient (see the module's note)."""
+    flat_inputs = [_time_major(tf.convert_to_tensor(x), time_major) for x in tree.flatten(inputs)]
+    flat_states = [tf.convert_to_tensor(s) for s in tree.flatten(tuple(initial_states))]
+    constants = [tf.convert_to_tensor(c) for c in constants]
+    if mask is not None:
+        mask = tf.cast(mask, tf.bool)
+        if mask.shape.rank == 2:
+            mask = tf.expand_dims(mask, -1)
+        mask = _time_major(mask, time_major)
+
+    def cell(step_inputs, states, previous_output, mask_t, step_constants):
+        output, new_states = step_function(
+            tree.pack_sequence_as(inputs, step_inputs),
+            tuple(tree.pack_sequence_as(tuple(initial_states), states)) + tuple(step_constants),
+        )
+        new_states = tree.flatten(new_states)
+        if mask_t is not None:
+            if previous_output is None:
+                previous_output = tf.zeros_like(output)
+            output = tf.where(_expanded(mask_t, output), output, previous_output)
+            new_states = [tf.where(_expanded(mask_t, new), new, old) for new, old in zip(new_states, states)]
+        return output, new_states
+
+    if tf.executing_eagerly():
+        return None  # a step's captured eager tensors are constants in a trace: unseen
+    if not _static_but_time(flat_inputs, flat_states, constants):
+        return None
+    step_variables = _step_variables(cell, flat_inputs, flat_states, mask, constants)
+    if step_variables is None:
+        return None
+    n_in, n_states = len(flat_inputs), len(flat_states)
+
+    @tf.custom_gradient
+    def recurrence(*arguments):
+        xs = list(arguments[:n_in])
+        states0 = list(arguments[n_in : n_in + n_states])
+        step_constants = list(arguments[n_in + n_states :])
+        steps = xs[0].shape[0] or tf.shape(xs[0])[0]
+        mask_at = (lambda t: None) if mask is None else (lambda t: _read(mask, t, steps))
+
+        first, states1 = cell([_read(x, 0, steps) for x in xs], states0, None, mask_at(0), step_constants)
+        outputs = _written(tf.zeros(tf.concat([[steps], tf.shape(first)], 0), first.dtype), 0, first, steps)
+        entering = [_written(tf.zeros(tf.concat([[steps], tf.shape(s)], 0), s.dtype), 0, s, steps) for s in states0]
+
+        def forward(t, previous, states, outputs, entering):
+            entering = [_written(buffer, t, s, steps) for buffer, s in zip(entering, states)]
+            output, states = cell([_read(x, t, steps) for x in xs], states, previous, mask_at(t), step_constants)
+            return t + 1, output, states, _written(outputs, t, output, steps), entering
+
+        _, last, final_states, outputs, entering = tf.while_loop(
+            lambda t, *_: t < steps, forward, (tf.constant(1), first, states1, outputs, entering)
+        )
+        results = (outputs, last, *final_states)
+
+        def step_gradients(t, d_output, d_states):
+            """What step `t` gives to its inputs, the states and the output
+            entering it, its constants and the step's variables."""
+            first_step = isinstance(t, int)  # the loop's steps have a tensor `t`
+            step_inputs = [_read(x, t, steps) for x in xs]
+            states = [_read(buffer, t, steps) for buffer in entering]
+            previous = tf.zeros_like(last) if first_step else _read(outputs, t - 1, steps)
+            watched = step_inputs + states + [previous] + step_constants
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(watched)
+                tape.watch(step_variables)
+                output, new_states = cell(
+                    step_inputs, states, None if first_step else previous, mask_at(t), step_constants
+                )
+            grads = tape.gradient(
+                [output] + new_states,
+                watched + step_variables,
+                output_gradients=[d_output] + d_states,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+            d_inputs, grads = grads[:n_in], grads[n_in:]
+            d_states, grads = grads[:n_states], grads[n_states:]
+            return d_inputs, d_states, grads[0], grads[1 : 1 + len(step_constants)], grads[1 + len(step_constants) :]
+
+        def backward(d_outputs, d_last, *d_final_states):
+            def step(t, d_output, d_states, d_xs, d_constants, d_variables):
+                d_inputs, d_states, d_previous, d_step_constants, d_step_variables = step_gradients(
+                    t, d_output + _read(d_outputs, t, steps), d_states
+                )
+                return (
+                    t - 1,
+                    d_previous,
+                    d_states,
+                    [_written(d, t, g, steps) for d, g in zip(d_xs, d_inputs)],
+                    [a + b for a, b in zip(d_constants, d_step_constants)],
+                    [a + b for a, b in zip(d_variables, d_step_variables)],
+                )
+
+            start = (
+                steps - 1,
+                d_last,
+                list(d_final_states),
+                [tf.zeros_like(x) for x in xs],
+                [tf.zeros_like(c) for c in step_constants],
+                [tf.zeros_like(v) for v in step_variables],
+            )
+            _, d_output, d_states, d_xs, d_constants, d_variables = tf.while_loop(lambda t, *_: t > 0, step, start)
+            d_inputs, d_states0, _, d_step_constants, d_step_variables = step_gradients(
+                0, d_output + _read(d_outputs, 0, steps), d_states
+            )
+            d_xs = [_written(d, 0, g, steps) for d, g in zip(d_xs, d_inputs)]
+            d_constants = [a + b for a, b in zip(d_constants, d_step_constants)]
+            d_variables = [a + b for a, b in zip(d_variables, d_step_variables)]
+            return d_xs + d_states0 + d_constants + d_variables
+
+        # Traced now, while the step sees what it saw going forward (Keras'
+        # RNN clears the dropout masks its cells cache once the layer has run,
+        # before the gradient is taken).
+        backward = tf.function(backward, autograph=False).get_concrete_function(
+            *[tf.TensorSpec.from_tensor(r) for r in results]
+        )
+
+        def gradient(*upstream, variables=None):
+            upstream = [tf.zeros_like(r) if g is None else g for g, r in zip(upstream, results)]
+            grads = backward(*upstream)
+            n_arguments = len(arguments)
+            by_variable = {id(v): g for v, g in zip(step_variables, grads[n_arguments:])}
+            return grads[:n_arguments], [by_variable.get(id(v)) for v in variables or ()]
+
+        return results, gradient
+
+    outputs, last_output, *final_states = recurrence(*flat_inputs, *flat_states, *constants)
+    if zero_output_for_mask and mask is not None:
+        last_output = tf.where(_expanded(mask[-1], last_output), last_output, tf.zeros_like(last_output))
+        outputs = tf.where(_expanded(mask, outputs), outputs, tf.zeros_like(outputs))
+    if return_all_outputs:
+        outputs = _time_major(outputs, time_major)
+    else:
+        outputs = tf.expand_dims(last_output, 0 if time_major else 1)
+    return last_output, outputs, tree.pack_sequence_as(tuple(initial_states), final_states)
+
+
+def _step_variables(cell: Callable, inputs: list, states: list, mask: Any, constants: list) -> list | None:
+    """The trainable variables one step reads (traced apart, never run), or
+    None where the step cannot run again in the gradient: it holds an op
+    that would not repeat its values, or reads a tensor a tape watches other
+    than its arguments."""
+    probe = func_graph.FuncGraph("tfmp_rnn_step_probe")
+    with probe.as_default(), tf.GradientTape() as tape:
+        step_inputs = [tf.compat.v1.placeholder(x.dtype, x.shape[1:]) for x in inputs]
+        step_states = [tf.compat.v1.placeholder(s.dtype, s.shape) for s in states]
+        step_constants = [tf.compat.v1.placeholder(c.dtype, c.shape) for c in constants]
+        mask_t = None if mask is None else tf.compat.v1.placeholder(tf.bool, mask.shape[1:])
+        cell(step_inputs, step_states, None, mask_t, step_constants)
+    for op in probe.get_operations():
+        if op._is_stateful and op.type not in _REPEATABLE_STATEFUL_OPS:  # noqa: SLF001
+            return None
+    captured = [t for t in probe.external_captures if t.dtype != tf.resource and t.dtype.is_floating]
+    if captured and record.should_record_backprop(captured):
+        return None
+    return list(tape.watched_variables())
+
+
+def _static_but_time(inputs: list, states: list, constants: list) -> bool:
+    """Whether every dimension but the inputs' time steps is known when
+    traced. DTensor lays out a loop's step with the shapes it was traced
+    with; inside it, an unknown dimension (the batch of a last, smaller
+    batch, which Keras traces with the batch dimension unknown) leaves
+    shape arithmetic of the gradient it cannot resolve ("failed to extract
+    constant value from tf.BroadcastGradientArgs")."""
+    shapes = [x.shape[1:] for x in inputs] + [t.shape for t in states + constants]
+    return all(shape.is_fully_defined() for shape in shapes)
+
+
+def _time_major(x: tf.Tensor, time_major: bool) -> tf.Tensor:
+    """`x` with its first two dimensions swapped unless already time-major."""
+    if time_major:
+        return x
+    return tf.transpose(x, [1, 0, *range(2, x.shape.rank)])
+
+
+def _written(buffer: tf.Tensor, t: Any, value: tf.Tensor, steps: Any) -> tf.Tensor:
+    """`buffer` (time first) with `value` added at time step `t`."""
+    one_hot = tf.one_hot(t, steps, dtype=value.dtype)
+    return buffer + tf.reshape(one_hot, [-1] + [1] * value.shape.rank) * tf.expand_dims(value, 0)
+
+
+def _expanded(mask: tf.Tensor, value: tf.Tensor) -> tf.Tensor:
+    """`mask` with trailing dimensions of 1 to broadcast against `value` in
+    `tf.where` (Keras' loop tiles it: the same values)."""
+    for _ in range(value.shape.rank - mask.shape.rank):
+        mask = tf.expand_dims(mask, -1)
+    return mask
+
+
+def _read(buffer: tf.Tensor, t: Any, steps: Any) -> tf.Tensor:
+    """Time step `t` of `buffer` (time first), as a sum against a one-hot of
+    it: exact, and laid out by DTensor, whose `StridedSlice` refuses an index
+    known only at run time and whose `Gather` crashes here."""
+    t = tf.math.floormod(t, steps)
+    shape = [-1] + [1] * (buffer.shape.rank - 1)
+    if buffer.dtype == tf.bool:
+        return tf.reduce_any(tf.logical_and(buffer, tf.reshape(tf.one_hot(t, steps, True, False), shape)), 0)
+    return tf.reduce_sum(buffer * tf.reshape(tf.one_hot(t, steps, dtype=buffer.dtype), shape), 0)
