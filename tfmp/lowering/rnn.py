@@ -69,41 +69,41 @@ def rnn(
     time_axis = 0 if time_major else 1
     first_input = tree.flatten(inputs)[0]
     time_steps = first_input.shape[time_axis]
+    symbolic = in_symbolic_scope()
+    if time_steps is None and symbolic:
+        # Keras only infers output shapes here: the graph never runs.
+        return keras_original(_KERAS_RNN, "rnn")(
+            step_function,
+            inputs,
+            initial_states,
+            go_backwards=go_backwards,
+            mask=mask,
+            constants=constants,
+            unroll=unroll,
+            input_length=input_length,
+            time_major=time_major,
+            zero_output_for_mask=zero_output_for_mask,
+            return_all_outputs=return_all_outputs,
+        )
     if go_backwards:
         # Keras' unrolled path zeroes masked outputs (zero_output_for_mask)
         # with the mask in forward order while its outputs are in backward
         # order; running forward over reversed inputs and mask avoids that.
         inputs = tree.map_structure(lambda t: _reversed(convert_to_tensor(t), time_axis), inputs)
         mask = None if mask is None else _reversed(convert_to_tensor(mask), time_axis)
-    if not in_symbolic_scope():
-        looped = looped_rnn(
-            step_function,
-            inputs,
-            initial_states,
-            mask,
-            list(constants or []),
-            time_major,
-            zero_output_for_mask,
-            return_all_outputs,
-        )
-        if looped is not None:
-            return looped
+    looped = None if symbolic else looped_rnn(
+        step_function,
+        inputs,
+        initial_states,
+        mask,
+        list(constants or []),
+        time_major,
+        zero_output_for_mask,
+        return_all_outputs,
+    )
+    if looped is not None:
+        return looped
     if time_steps is None:
-        if in_symbolic_scope():
-            # Keras only infers output shapes here: the graph never runs.
-            return keras_original(_KERAS_RNN, "rnn")(
-                step_function,
-                inputs,
-                initial_states,
-                go_backwards=go_backwards,
-                mask=mask,
-                constants=constants,
-                unroll=unroll,
-                input_length=input_length,
-                time_major=time_major,
-                zero_output_for_mask=zero_output_for_mask,
-                return_all_outputs=return_all_outputs,
-            )
         raise ValueError(
             f"Layer '{current_path() or 'rnn'}' runs a recurrence over input of shape "
             f"{first_input.shape}, whose number of time steps (axis {time_axis}) is "

@@ -26,8 +26,8 @@ dynamic"; split over the features, its `Slice` takes 0 rows (measured:
 `size = [0, 2]` for a `?x8` tensor), and the sum then fails with
 "data.shape = [0,2] does not start with segment_ids.shape = [64]". So during
 a sparse update that divided, a sum of rows of unknown number also runs on
-whole operands, and its table-sized result, of known shape, is pinned replicated: DTensor
-then cuts the table, not the rows. The quotient keeps the dividend's
+whole operands, and its table-sized result, of known shape, is pinned
+replicated: DTensor then cuts the table, not the rows. The quotient keeps the dividend's
 `dense_shape` (both branches have it), so that the sum has a known number of
 rows too.
 
