@@ -131,6 +131,15 @@ def build_on(strategy, name, weights):
         return compile_fn(model)
 
 
+def layouts_made() -> int:
+    """How many functions DTensor has laid out for a mesh so far (misses of
+    its function cache: a new trace, or another layout, shape or folded
+    constant of one)."""
+    from tensorflow.dtensor.python import api as dtensor_api
+
+    return dtensor_api._dtensor_device()._get_stats()["function_manager.miss"]  # noqa: SLF001
+
+
 def assert_weights_close(expected, actual, rtol=1e-5, atol=1e-5):
     """Equal within 1e-5; `atol` covers weights whose exact gradient is zero
     (the attention key bias), which move only by float noise."""

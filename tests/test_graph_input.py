@@ -11,8 +11,9 @@ MirroredStrategy's numbers), from the same initial weights, to 1e-5.
 Inside a graph loop DTensor compiles the step for one batch shape, so the
 `tf.range` loops batch with `drop_remainder=True` (4 batches; the 5 rows left
 over are dropped on one device too), and a partial last batch is a named
-error (docs/custom-loops.md). The `for` loop over the dataset is unrolled
-per batch and keeps the partial last batch.
+error (docs/custom-loops.md). The `for` loop over the dataset runs through
+the dataset's `reduce`, as under MirroredStrategy: the full batches in one
+`tf.while_loop`, then the partial last batch, which it keeps.
 """
 
 import keras
@@ -22,7 +23,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import assert_weights_close, build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map
+from helpers import assert_weights_close, build_mlp, initial_weights, layouts_made, mesh, mlp_data, mlp_layout_map
 
 GLOBAL_BATCH_SIZE = 8
 WEIGHTS = initial_weights(build_mlp)
@@ -187,12 +188,12 @@ def test_fit_with_steps_per_execution_runs_its_steps_in_a_loop_as_one_device(mon
     """`steps_per_execution=4` on 37 samples at batch 8: each epoch is one
     call of 4 batches of the same shapes, whose last 3 steps run in a
     `tf.while_loop`, then one call of the partial batch of 5 rows."""
-    from tfmp.strategy import steps_per_call
+    from tfmp.strategy import stacked_batches
 
-    same_layouts = steps_per_call._same_layouts
+    same_layouts = stacked_batches.same_layouts
     looped = []
     monkeypatch.setattr(
-        steps_per_call, "_same_layouts", lambda batches: looped.append(same_layouts(batches)) or looped[-1]
+        stacked_batches, "same_layouts", lambda batches: looped.append(same_layouts(batches)) or looped[-1]
     )
     x, y = DATA
     histories, weights = [], []
@@ -209,3 +210,131 @@ def test_fit_with_steps_per_execution_runs_its_steps_in_a_loop_as_one_device(mon
     for key in ("loss", "mae"):
         np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-5)
     assert_weights_close(weights[0], weights[1])
+
+
+def position_weighted_sum(strategy, traces):
+    """A `reduce_fn` over batches of `Dataset.range` rows: the state is
+    (rows so far, the sum of each row's value times its place in the epoch
+    counted from 1), which tells the rows' order. Each trace of the step
+    appends its batch's shape to `traces`."""
+
+    def step(batch, offset):
+        traces.append(batch.shape)
+        places = tf.cast(offset, tf.int64) + tf.range(1, batch.shape[0] + 1, dtype=tf.int64)
+        return tf.reduce_sum(batch * places)
+
+    def add(state, batch):
+        rows, total = state
+        weighted = strategy.run(step, args=(batch, rows))
+        return rows + batch.shape[0], total + strategy.reduce("SUM", weighted, axis=None)
+
+    return add
+
+
+def host_weighted_sum(epoch) -> int:
+    values = np.concatenate([np.asarray(batch) for batch in epoch])
+    return int((values * np.arange(1, len(values) + 1)).sum())
+
+
+@pytest.mark.parametrize("rows", [37, 101], ids=["5-batches", "13-batches"])
+@pytest.mark.parametrize("through", ["for", "reduce"])
+def test_a_compiled_epoch_traces_its_step_for_the_full_batches_and_the_partial_one(rows, through):
+    """The epoch's full batches run in one loop, the partial last batch on
+    its own after them: two traces of the step however many batches, and
+    every row read once, in order."""
+    strategy = strategy_for((2, 4), None)
+    dataset = tf.data.Dataset.range(rows).batch(GLOBAL_BATCH_SIZE)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    traces = []
+    add = position_weighted_sum(strategy, traces)
+
+    @tf.function
+    def epoch():
+        state = (tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        if through == "reduce":
+            return dist_dataset.reduce(state, add)
+        for batch in dist_dataset:
+            state = add(state, batch)
+        return state
+
+    counted, total = epoch()
+    assert int(counted) == rows
+    assert int(total) == host_weighted_sum(dataset)
+    assert traces == [tf.TensorShape([GLOBAL_BATCH_SIZE]), tf.TensorShape([rows % GLOBAL_BATCH_SIZE])]
+
+
+def test_a_for_loop_over_an_iterator_in_a_tf_function_is_one_graph_loop():
+    """`for batch in iterator` (an iterator of a distributed dataset passed
+    to the function) runs as a `tf.while_loop` over `get_next_as_optional()`,
+    as for MirroredStrategy's iterators: one trace; it used to trace forever."""
+    strategy = strategy_for((2, 4), None)
+    dataset = tf.data.Dataset.range(40).batch(GLOBAL_BATCH_SIZE, drop_remainder=True)
+    traces = []
+    add = position_weighted_sum(strategy, traces)
+
+    @tf.function
+    def epoch(iterator):
+        state = (tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        for batch in iterator:
+            state = add(state, batch)
+        return state
+
+    counted, total = epoch(iter(strategy.experimental_distribute_dataset(dataset)))
+    assert (int(counted), int(total)) == (40, host_weighted_sum(dataset))
+    assert traces == [tf.TensorShape([GLOBAL_BATCH_SIZE])]
+
+
+def test_reduce_eagerly_gives_what_it_gives_in_a_graph():
+    strategy = strategy_for((8, 1), None)
+    dataset = tf.data.Dataset.range(37).batch(GLOBAL_BATCH_SIZE)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    add = position_weighted_sum(strategy, [])
+    eager = dist_dataset.reduce((0, 0), add)
+    traced = tf.function(lambda: dist_dataset.reduce((0, tf.constant(0, tf.int64)), add))()
+    assert [int(value) for value in eager] == [int(value) for value in traced] == [37, host_weighted_sum(dataset)]
+
+
+def test_later_calls_of_a_shuffled_compiled_epoch_read_new_epochs_and_lay_out_nothing():
+    """Each call reads the next epoch of the reshuffled dataset, in order.
+    The partial last batch (5 int64 values, replicated) is new each call:
+    DTensor would fold it as a constant and lay the function out again, so
+    it reaches the function in a dtype DTensor does not fold
+    (`tfmp.strategy.small_batch_values`). The second and third calls lay
+    out nothing."""
+
+    def shuffled():
+        return tf.data.Dataset.range(37).shuffle(37, seed=3).batch(GLOBAL_BATCH_SIZE)
+
+    host = shuffled()
+    want = [host_weighted_sum(host) for _ in range(3)]
+    strategy = strategy_for((2, 4), None)
+    dist_dataset = strategy.experimental_distribute_dataset(shuffled())
+    traces = []
+    add = position_weighted_sum(strategy, traces)
+    epoch = tf.function(lambda: dist_dataset.reduce((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), add))
+    got, laid_out = [], []
+    for _ in range(3):
+        before = layouts_made()
+        got.append(int(epoch()[1]))
+        laid_out.append(layouts_made() - before)
+    assert got == want
+    assert len(set(want)) == 3  # every epoch in another order
+    assert laid_out[0] > 0 and laid_out[1:] == [0, 0]
+    assert len(traces) == 2
+
+
+def test_break_in_a_for_loop_over_a_distributed_dataset_in_a_tf_function_is_autographs_error():
+    """As under MirroredStrategy: AutoGraph runs the loop through `reduce`."""
+    strategy = strategy_for((8, 1), None)
+    dist_dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.range(16).batch(GLOBAL_BATCH_SIZE))
+
+    @tf.function
+    def first_batch_sum():
+        total = tf.constant(0, tf.int64)
+        for batch in dist_dataset:
+            total += strategy.reduce("SUM", strategy.run(tf.reduce_sum, args=(batch,)), axis=None)
+            break
+        return total
+
+    with pytest.raises(NotImplementedError, match="break and return statements are not yet supported"):
+        first_batch_sum()

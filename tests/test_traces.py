@@ -31,10 +31,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.dtensor.python import api as dtensor_api
 
 import tfmp
-from helpers import SEED, assert_weights_close
+from helpers import SEED, assert_weights_close, layouts_made
 
 ROWS, BATCH, EPOCHS, VALIDATION_SPLIT = 37, 8, 3, 0.25
 # The train and the test step, each for its full and its partial batches,
@@ -76,10 +75,6 @@ def bilstm_data():
     lengths = rng.integers(2, 6, size=ROWS)
     tokens[np.arange(5) >= lengths[:, None]] = 0
     return tokens.astype("int32"), rng.integers(0, 4, ROWS)
-
-
-def layouts_made() -> int:
-    return dtensor_api._dtensor_device()._get_stats()["function_manager.miss"]  # noqa: SLF001
 
 
 class TracesPerEpoch(keras.callbacks.Callback):

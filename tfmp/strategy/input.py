@@ -17,27 +17,29 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import input_lib
+from tensorflow.python.types import distribute as distribute_types
 
 from tfmp import distributed
 from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.graph_input import GraphBatches
 from tfmp.strategy.placement import BatchPlacer, pack
-from tfmp.strategy.small_batch_values import packed_for_step
+from tfmp.strategy import small_batch_values, stacked_batches
 
 _HOST = "CPU:0"
 
 
-class MeshDataset:
+class MeshDataset(distribute_types.Iterable):
     """A dataset whose batches arrive on the mesh, split over the batch axis.
 
     What `ModelParallelStrategy.experimental_distribute_dataset` returns. Each
     batch is read on the host and packed onto the mesh, so any batch size and a
-    partial last batch work (DTensor's own dataset drops the remainder). Its
-    iterator is a plain Python iterator, which makes Keras run one step function
-    call per batch rather than a `tf.while_loop` over an iterator (whose
-    optionals DTensor cannot lay out). Iterated inside a `tf.function`, it
-    gives the epoch's batches as inputs of the function, read on the host at
-    each call.
+    partial last batch work (DTensor's own dataset drops the remainder).
+    Iterated eagerly, it reads one batch ahead on the host, and Keras runs one
+    step function call per batch. `for batch in dataset:` inside a
+    `tf.function` runs through `reduce`, as it does for `tf.distribute`'s
+    datasets: the epoch's batches are inputs of the function, read on the host
+    at each call, and the step is traced once for the full batches and once
+    for a partial last batch.
 
     Args:
         dataset: A batched `tf.data.Dataset`.
@@ -71,9 +73,44 @@ class MeshDataset:
     def element_spec(self) -> Any:
         return self._dataset.element_spec
 
+    def reduce(self, initial_state: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
+        """Folds `reduce_fn(state, batch)` over one epoch's batches.
+
+        What AutoGraph runs for `for batch in dataset:` inside a
+        `tf.function`. Eagerly it is a Python loop over the batches. Traced,
+        the batches are the function's inputs, read on the host at each call;
+        the batches of one shape run in one `tf.while_loop`, a partial last
+        batch after them, so the step is traced at most twice per epoch.
+
+        Args:
+            initial_state: The state before the first batch: a structure of
+                tensors (Python numbers become tensors).
+            reduce_fn: Takes the state and a batch on the mesh, returns the
+                state of the same structure.
+
+        Returns:
+            The state after the last batch.
+
+        Examples:
+            >>> strategy = tfmp.ModelParallelStrategy(mesh)
+            >>> dataset = strategy.experimental_distribute_dataset(
+            ...     tf.data.Dataset.range(37).batch(8))
+            >>> def add_rows(total, batch):
+            ...     rows = strategy.run(tf.reduce_sum, args=(batch,))
+            ...     return total + strategy.reduce("SUM", rows, axis=None)
+            >>> int(tf.function(lambda: dataset.reduce(tf.constant(0, tf.int64), add_rows))())
+            666
+        """
+        if not tf.executing_eagerly():
+            return _reduce_in_graph(self, initial_state, reduce_fn)
+        state = initial_state
+        for batch in self:
+            state = reduce_fn(state, batch)
+        return state
+
     def __iter__(self) -> "MeshIterator | Iterator[Any]":
         if not tf.executing_eagerly():
-            return iter(_call_time_epoch(self))
+            return iter(_call_time_epoch(self)[0])
         cardinality = int(self._dataset.cardinality())
         # tf_keras iterates inside the strategy's scope, whose default device
         # is the mesh: the host pipeline must stay on the host.
@@ -90,27 +127,62 @@ class MeshDataset:
         )
 
 
-def _call_time_epoch(dataset: MeshDataset) -> list[Any]:
+def _call_time_epoch(dataset: MeshDataset) -> tuple[list[Any], list[tuple[int, int]]]:
     """The batches of one epoch as inputs of the `tf.function` being traced,
-    read on the host at each call.
+    read on the host at each call, and the runs of them one traced step can
+    run (`stacked_batches.runs`).
 
-    How `for batch in dist_dataset:` runs inside a compiled epoch: the loop is
-    unrolled over the epoch's batches, each a separate input of the function
-    (so a partial last batch keeps its own shape and layout). Tracing reads
-    one epoch to learn the batches, which the first call trains on; each
-    later call reads a new epoch, as `for` over a `tf.data.Dataset` in a
-    `tf.function` opens a new iterator at each call.
+    Each batch is a separate input of the function (so a partial last batch
+    keeps its own shape and layout). Tracing reads one epoch to learn the
+    batches, which the first call trains on; each later call reads a new
+    epoch, as `for` over a `tf.data.Dataset` in a `tf.function` opens a new
+    iterator at each call. Small values (a partial batch's labels, replicated)
+    travel in a dtype DTensor does not fold (`small_batch_values`), so that a
+    later call's new labels do not make DTensor lay the function out again.
     """
     graph = tf.compat.v1.get_default_graph()
     with tf.init_scope():
         epoch = _HostEpoch(dataset, _read_epoch(dataset))
-    placeholders = [
-        graph.capture_call_time_value(
-            functools.partial(epoch.leaf, index), tf.TensorSpec(value.shape, value.dtype)
+        runs = stacked_batches.runs(epoch.batches)
+    inputs = []
+    for index, (value, carried) in enumerate(zip(epoch.leaves, epoch.carried)):
+        spec = tf.TensorSpec(value.shape, carried or value.dtype)
+        placeholder = graph.capture_call_time_value(functools.partial(epoch.leaf, index), spec)
+        inputs.append(placeholder if carried is None else tf.cast(placeholder, value.dtype))
+    return tf.nest.pack_sequence_as(epoch.batches, inputs), runs
+
+
+def _reduce_in_graph(dataset: MeshDataset, initial_state: Any, reduce_fn: Callable) -> Any:
+    """`MeshDataset.reduce` traced: each run of batches of one shape and
+    layout in one `tf.while_loop` (a partial last batch on its own), so the
+    step is traced once or twice per epoch, not once per batch."""
+    batches, runs = _call_time_epoch(dataset)
+    state = tf.nest.map_structure(_as_loop_value, initial_state)
+    for start, count in runs:
+        if count == 1:
+            state = reduce_fn(state, batches[start])
+            continue
+        stacked = stacked_batches.stack(batches[start : start + count])
+
+        def body(index, state, stacked=stacked):
+            return index + 1, reduce_fn(state, stacked_batches.batch_at(stacked, index))
+
+        # In order: each step reads the variables the step before wrote.
+        _, state = tf.while_loop(
+            lambda index, _, count=count: index < count,
+            body,
+            (tf.constant(0), state),
+            parallel_iterations=1,
         )
-        for index, value in enumerate(epoch.leaves)
-    ]
-    return tf.nest.pack_sequence_as(epoch.batches, placeholders)
+    return state
+
+
+def _as_loop_value(value: Any) -> Any:
+    """A Python or numpy number of a loop's state as a tensor, as
+    `tf.data.Dataset.reduce` takes it (so a counter started at 0 ends an int32)."""
+    if isinstance(value, (bool, int, float, np.ndarray, np.generic)):
+        return tf.convert_to_tensor(value)
+    return value
 
 
 def _read_epoch(dataset: MeshDataset) -> list[Any]:
@@ -133,6 +205,7 @@ class _HostEpoch:
         self._dataset = dataset
         self.batches = batches
         self.leaves: list[tf.Tensor] | None = tf.nest.flatten(batches)
+        self.carried = [small_batch_values.carried_dtype(value) for value in self.leaves]
         self._specs = [(value.shape, value.dtype) for value in self.leaves]
         self._unread = len(self.leaves)
 
@@ -153,7 +226,8 @@ class _HostEpoch:
         self._unread -= 1
         if self._unread == 0:
             self.leaves = None
-        return value
+        carried = self.carried[index]
+        return value if carried is None else tf.cast(value, carried)
 
 
 class ClientMeshDataset(MeshDataset, input_lib.DistributedDatasetsFromFunction):
@@ -161,7 +235,7 @@ class ClientMeshDataset(MeshDataset, input_lib.DistributedDatasetsFromFunction):
     Keras' `fit` takes as it is (it recognizes the TF class by name)."""
 
 
-class MeshIterator:
+class MeshIterator(distribute_types.Iterator):
     """Iterator over a `MeshDataset` that prepares each batch one step ahead.
 
     While the step on batch k runs, a worker thread reads batch k+2 on the
@@ -394,7 +468,7 @@ class OnDemandIterator:
         divides = rows is None or rows % self._placer.batch_parts == 0
         self._undivided_rows = None if divides else rows
         self._first_step_graphs.on_batch()
-        return packed_for_step(self._placer.split_batch(batch))
+        return small_batch_values.packed_for_step(self._placer.split_batch(batch))
 
     def _read_host(self) -> Any:
         try:

@@ -83,3 +83,11 @@ def restored(structure: Any) -> Any:
         else value,
         structure,
     )
+
+
+def carried_dtype(value: tf.Tensor) -> tf.DType | None:
+    """The dtype `value` (an input of a function on the mesh) travels in so
+    that DTensor never folds it, or None where it may travel as it is."""
+    if value.dtype in _CARRIED_AS and value.shape.num_elements() < _FOLDED_BELOW_ELEMENTS:
+        return _CARRIED_AS[value.dtype]
+    return None

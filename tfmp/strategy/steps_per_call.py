@@ -20,11 +20,10 @@ import functools
 from typing import Any, Callable
 
 import tensorflow as tf
-from tensorflow.experimental import dtensor
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from tfmp.strategy.extended import extended_of
-from tfmp.strategy.small_batch_values import SmallBatchValue
+from tfmp.strategy import stacked_batches
 
 
 def steps_per_call(make_function: Callable) -> Callable:
@@ -62,12 +61,12 @@ def _multi_step_function(model: Any, step_function: Callable) -> Callable:
         # One copy of the step for all the batches after the first: within a
         # call a collective run again by the loop reuses TensorFlow's record
         # of it, where k traced copies would keep k (docs/performance.md).
-        stacked = tf.nest.map_structure(_stacked, *rest)
+        stacked = stacked_batches.stack(list(rest))
         outputs = step(first)
 
         def body(index, outputs):
             del outputs
-            return index + 1, step(tf.nest.map_structure(lambda leaves: _at(leaves, index), stacked))
+            return index + 1, step(stacked_batches.batch_at(stacked, index))
 
         _, outputs = tf.while_loop(
             lambda index, _: index < len(rest), body, (tf.constant(0), outputs)
@@ -79,53 +78,13 @@ def _multi_step_function(model: Any, step_function: Callable) -> Callable:
 
     def function(iterator):
         batches = _read(iterator, model.steps_per_execution)
-        if len(batches) == model.steps_per_execution and _same_layouts(batches):
+        if len(batches) == model.steps_per_execution and stacked_batches.same_layouts(batches):
             return compiled_loop(batches[0], tuple(batches[1:]))
         # The last call of an epoch, or batches of other shapes (a partial
         # last batch): one traced copy per batch.
         return compiled_batches(tuple(batches))
 
     return function
-
-
-def _stacked(*leaves: Any) -> Any:
-    """The same value of each batch, stacked on a new first dimension."""
-    if leaves[0] is None:
-        return None
-    if isinstance(leaves[0], SmallBatchValue):
-        return SmallBatchValue(tf.stack([leaf.carried for leaf in leaves]), leaves[0].dtype_name)
-    return tf.stack(leaves)
-
-
-def _at(leaves: Any, index: tf.Tensor) -> Any:
-    """One batch's value out of `_stacked`'s."""
-    if leaves is None:
-        return None
-    if isinstance(leaves, SmallBatchValue):
-        return SmallBatchValue(tf.gather(leaves.carried, index), leaves.dtype_name)
-    return tf.gather(leaves, index)
-
-
-def _same_layouts(batches: list[Any]) -> bool:
-    """Whether every batch has the first one's structure, shapes, dtypes and
-    layouts (so that one traced step runs them all)."""
-    def described(leaf):
-        if isinstance(leaf, SmallBatchValue):
-            return (leaf.dtype_name, *described(leaf.carried))
-        if isinstance(leaf, tf.Tensor):
-            return (leaf.shape, leaf.dtype, dtensor.fetch_layout(leaf) if dtensor.is_dtensor(leaf) else None)
-        return leaf
-
-    def signature(batch):
-        return [described(leaf) for leaf in tf.nest.flatten(batch)]
-
-    try:
-        for batch in batches[1:]:
-            tf.nest.assert_same_structure(batches[0], batch)
-    except (TypeError, ValueError):
-        return False
-    want = signature(batches[0])
-    return all(signature(batch) == want for batch in batches[1:])
 
 
 def _read(iterator: Any, count: int) -> list[Any]:
