@@ -264,6 +264,59 @@ def test_conv2d_family_split():
     }, gathered
 
 
+def build_whole_kernels() -> keras.Model:
+    """Convolutions whose kernels no rule splits, of every rank, with
+    strides, "same" padding and a dilation, beside one whose filters a rule
+    may split (`FILTERS_SPLIT`)."""
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 4)),
+            layers.Conv2D(8, 3, padding="same", activation="relu", name="whole"),
+            layers.Conv2D(8, 2, strides=2, name="strided"),
+            layers.Conv2D(8, 2, padding="same", dilation_rate=2, name="dilated"),
+            layers.Conv2D(4, 2, padding="same", name="filters"),
+            layers.Reshape((3, 3, 4, 1)),
+            layers.Conv3D(2, 2, padding="same", name="volume"),
+            layers.Reshape((9, 8)),
+            layers.Conv1D(4, 3, strides=2, name="sequence"),
+            layers.Flatten(),
+            layers.Dense(3, name="out"),
+        ]
+    )
+
+
+WHOLE_KERNELS = {(3, 3, 4, 8), (2, 2, 8, 8), (2, 2, 2, 1, 2), (3, 8, 4)}
+FILTERS_SPLIT = {"filters/kernel": FILTERS, "filters/bias": ("model",)}
+
+
+@pytest.mark.parametrize(
+    "shape, layout_map_fn, natively",
+    [
+        ((2, 4), rules(FILTERS_SPLIT), WHOLE_KERNELS),
+        ((2, 4), rules({"out/kernel": ("model", None)}), WHOLE_KERNELS | {(2, 2, 8, 4)}),
+        ((8, 1), None, WHOLE_KERNELS | {(2, 2, 8, 4)}),
+    ],
+    ids=["2x4-filters-split", "2x4-kernels-whole", "8x1-auto"],
+)
+def test_convolutions_with_whole_kernels_run_natively_and_match_one_device(shape, layout_map_fn, natively, monkeypatch):
+    """DTensor's own Conv ops take a batch split: a convolution whose kernel
+    is whole runs as Keras' own op on the mesh (one op, one device's sums),
+    not as a sum of per-tap products; a split kernel runs tap-wise. 13 rows
+    at batch 4 end with a batch of one, which divides by no batch axis."""
+    kernels = []
+    native_conv = lowered._native_conv
+
+    def counted(x, kernel, *args):
+        kernels.append(tuple(kernel.shape))
+        return native_conv(x, kernel, *args)
+
+    monkeypatch.setattr(lowered, "_native_conv", counted)
+    x, y = data((6, 6, 4), samples=13)
+    assert_parity(build_whole_kernels, layout_map_fn, x, y, mesh_shape=shape, steps=4, batch_size=4)
+    assert set(kernels) == natively
+
+
 def build_1d() -> keras.Model:
     layers = keras.layers
     return keras.Sequential(

@@ -1,5 +1,5 @@
 """Convolutions (Keras' Conv and ConvTranspose layers) as sums over kernel
-taps of channel matmuls.
+taps of channel matmuls, or as Keras' own where the kernel is whole.
 
 DTensor's own convolutions refuse split kernels on CPU and GPU ("Filter for
 convolution must have fully replicated layout"), split input channels, and
@@ -22,6 +22,10 @@ adjoint, the kernel gradient) make both, with their roles swapped; placing
 taps instead of sliding a flipped kernel, nothing is reversed (`tf.reverse`
 has no layout propagation). Each tap's kernel gradient is reduced over the
 batch split on its own (kernel-sized, one collective per tap).
+
+A convolution whose kernel is whole (split over no mesh axis) runs as Keras'
+own op on its batch split (`_native_conv`): DTensor's Conv ops and their
+gradients take that layout, and one op per device beats a product per tap.
 
 DTensor infers layouts over the whole step, and some of its choices fail or
 cost: zero padding is written as a strided slice's gradient, around which
@@ -46,7 +50,7 @@ from keras.src.backend.tensorflow.core import convert_to_tensor as keras_tensor
 from tensorflow.experimental import dtensor
 
 from tfmp.forward import BACKWARD_SCOPE, batch_spec, forward_mesh
-from tfmp.lowering.registry import Lowering
+from tfmp.lowering.registry import Lowering, keras_original
 
 _KERAS_NN = "keras.src.backend.tensorflow.nn"
 _SPATIAL_LETTERS = "dhw"
@@ -451,6 +455,8 @@ def conv(
     if channels == per_group:
         in_channels, out_channels = "c", "f"
         pinning = Pinning.current(inputs, _kernel_channels(kernel, "cf"))
+        if _runs_natively(kernel, pinning, data_format):
+            return _native_conv(inputs, kernel_tensor, pinning, strides, padding, dilation_rate)
         convolve = _dense_conv
     else:
         in_channels = out_channels = "g"
@@ -459,6 +465,49 @@ def conv(
     x = _to_channels_last(inputs, data_format, pinning, in_channels)
     taps = _taps(x, pinning, kernel_tensor.shape[:-2], strides, padding, dilation_rate)
     return _from_channels_last(convolve(x, kernel_tensor, taps), data_format, pinning, out_channels)
+
+
+def _runs_natively(kernel: Any, pinning: Pinning, data_format: str | None) -> bool:
+    """Whether DTensor's own convolution runs this one: a whole kernel (a
+    tfmp variable split over no mesh axis), channels last. It splits the
+    batch only, which DTensor's Conv ops and their gradients take."""
+    specs = _kernel_specs(kernel)
+    return (
+        specs is not None
+        and all(spec == dtensor.UNSHARDED for spec in specs)
+        and pinning.mesh is not None
+        and not _channels_first(data_format)
+    )
+
+
+def _native_conv(
+    x: tf.Tensor, kernel: tf.Tensor, pinning: Pinning, strides: Any, padding: str, dilation_rate: Any
+) -> tf.Tensor:
+    """Keras' own convolution, on `x` pinned to its batch split (spatial
+    dimensions and channels whole): one op per device instead of a product
+    per tap, and one device's sums. The output's gradient is pinned alike
+    before DTensor's own gradient ops run, and the input's gradient leaves
+    in that layout (a relayout's own gradient, back to the layout `x` came
+    in, fails DTensor's layout propagation after a split layer)."""
+    spatial = _SPATIAL_LETTERS[-(x.shape.rank - 2) :]
+    patch, out = f"n{spatial}c", f"n{spatial}f"
+    convolve = keras_original(_KERAS_NN, "conv")
+
+    @tf.custom_gradient
+    def native(x: tf.Tensor, kernel: tf.Tensor):
+        x = tf.stop_gradient(pinning.pin(x, patch))
+        with tf.GradientTape() as tape:
+            tape.watch([x, kernel])
+            y = convolve(x, kernel, strides, padding, "channels_last", dilation_rate)
+
+        def grad(dy: tf.Tensor):
+            with tf.name_scope(BACKWARD_SCOPE):
+                dx, dkernel = tape.gradient(y, [x, kernel], output_gradients=pinning.pin(dy, out))
+                return pinning.pin(dx, patch), dkernel
+
+        return pinning.pin(y, out), grad
+
+    return native(x, kernel)
 
 
 def _dense_conv(x: tf.Tensor, kernel: tf.Tensor, taps: Taps) -> tf.Tensor:
