@@ -15,7 +15,6 @@ drift. docs/performance.md has the numbers of a run.
 from __future__ import annotations
 
 import argparse
-import time
 
 import tensorflow as tf
 
@@ -25,6 +24,7 @@ tf.config.set_logical_device_configuration(
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import step_times  # noqa: E402
 
 import tfmp  # noqa: E402
 from tfmp.lowering import conv as conv_lowering  # noqa: E402
@@ -64,15 +64,9 @@ def main() -> None:
         times = {}
         for way in ("native", "taps", "native again"):
             conv_lowering._runs_natively = runs_natively if way != "taps" else (lambda *args: False)
-            model = _model(shape)
-            start = time.perf_counter()
-            model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
-            first = time.perf_counter() - start
-            start = time.perf_counter()
-            model.fit(x, y, batch_size=BATCH, verbose=0)
-            times[way] = (first, (time.perf_counter() - start) / options.steps)
+            times[way] = step_times.first_and_later_step(_model(shape), x, y, BATCH)
             print(
-                f"{shape[0]}x{shape[1]} {way}: first step {first:.2f} s, "
+                f"{shape[0]}x{shape[1]} {way}: first step {times[way][0]:.2f} s, "
                 f"later steps {times[way][1] * 1000:.1f} ms",
                 flush=True,
             )

@@ -13,7 +13,6 @@ machine's drift. docs/performance.md has the numbers of a run.
 from __future__ import annotations
 
 import argparse
-import time
 
 import tensorflow as tf
 
@@ -23,6 +22,7 @@ tf.config.set_logical_device_configuration(
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import step_times  # noqa: E402
 
 import tfmp  # noqa: E402
 from tfmp.lowering import rnn as rnn_lowering  # noqa: E402
@@ -57,14 +57,8 @@ def main() -> None:
     times = {}
     for way in ("loop", "unrolled", "loop again"):
         rnn_lowering.looped_rnn = looped_rnn if way != "unrolled" else (lambda *args: None)
-        model = _model(options.time_steps)
-        start = time.perf_counter()
-        model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=BATCH, verbose=0)
-        times[way] = (first, (time.perf_counter() - start) / options.steps)
-        print(f"{way}: first step {first:.2f} s, later steps {times[way][1] * 1000:.1f} ms", flush=True)
+        times[way] = step_times.first_and_later_step(_model(options.time_steps), x, y, BATCH)
+        print(f"{way}: first step {times[way][0]:.2f} s, later steps {times[way][1] * 1000:.1f} ms", flush=True)
     rnn_lowering.looped_rnn = looped_rnn
     unrolled = times["unrolled"][0]
     for way in ("loop", "loop again"):
