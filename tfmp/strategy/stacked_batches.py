@@ -46,7 +46,7 @@ def _at(leaves: Any, index: tf.Tensor) -> Any:
     return tf.gather(leaves, index)
 
 
-def signature(batch: Any) -> list[Any]:
+def _signature(batch: Any) -> list[Any]:
     """What one traced step must share with a batch to run it: each value's
     shape, dtype and layout (eager batches on the mesh)."""
 
@@ -68,8 +68,8 @@ def same_layouts(batches: list[Any]) -> bool:
             tf.nest.assert_same_structure(batches[0], batch)
     except (TypeError, ValueError):
         return False
-    want = signature(batches[0])
-    return all(signature(batch) == want for batch in batches[1:])
+    want = _signature(batches[0])
+    return all(_signature(batch) == want for batch in batches[1:])
 
 
 def runs(batches: list[Any]) -> list[tuple[int, int]]:
