@@ -6,15 +6,17 @@ Tolerances. bfloat16 keeps 8 bits of mantissa: every product and sum of the
 step rounds at 2**-8 (0.4%) relative, and the mesh sums in another order
 than one device (shards, then an all-reduce), so its bf16 numbers move at
 that scale, and Adam carries the moves on. Such numbers are held to a
-yardstick measured in the test, not to 1e-5: for bfloat16 the one-device
-float64 run (the exact answer, up to float64 noise) - the mesh must be no
-further from it than one device with the same policy is, within a factor of
-2; for float16 with loss scaling, where an overflowing float16 step is
-skipped and float64 never skips, one device with each batch's rows reversed
-(another float order, same policy) - the mesh's weights must be within 3
-times that run's distance, its losses within one float16 rounding (2**-11
-relative) of one device's. The loss scale and the count of skipped steps
-must be exactly one device's. Variables in bfloat16 (Keras' `"bfloat16"` policy)
+yardstick measured in the test, not to 1e-5: the exact answer is float64
+on one device (for float16 with loss scaling, float64 trained on just the
+batches float16 applied, since float64 never overflows), and the mesh may
+be no further from it than one device under the same policy is, within a
+factor of 2. One device runs in two float orders (rows as given, and each
+batch's rows reversed) and the further counts: one order alone can land
+lucky close (on a CPU with AVX512_BF16 one device's bf16 loss came 0.0011
+from float64 as given and 0.0075 reversed, the mesh's 0.0034). float16
+losses are also held to one float16 rounding (2**-11 relative) of one
+device's, and the loss scale and the steps skipped must be exactly one
+device's. Variables in bfloat16 (Keras' `"bfloat16"` policy)
 get the layouts float32 ones get, from rules, `fully_shard` and `"auto"`.
 """
 
@@ -26,7 +28,15 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from helpers import build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map, train
+from helpers import (
+    build_mlp,
+    initial_weights,
+    mesh,
+    mlp_data,
+    mlp_layout_map,
+    rows_reversed_within_batches,
+    train,
+)
 from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
 
 ROWS, BATCH = 37, 8  # the last batch (5 rows) does not divide the batch axis (2)
@@ -45,9 +55,10 @@ def lm_weights():
     return initial_weights(build_transformer_lm)
 
 
-def fit_lm(weights, policy, strategy=None, reverse_rows=False):
-    """The demo decoder trained one epoch of Adam under `policy`: its batch
-    losses, its weights in float64, and the model."""
+def fit_lm(weights, policy, strategy=None, reverse_rows=False, batches=None, callbacks=()):
+    """The demo decoder trained one epoch of Adam under `policy` (on the
+    batches numbered `batches` only, if given): its batch losses, its weights
+    in float64, and the model."""
     keras.config.set_dtype_policy(policy)
     try:
         with (strategy or tf.distribute.get_strategy()).scope():
@@ -61,12 +72,28 @@ def fit_lm(weights, policy, strategy=None, reverse_rows=False):
         keras.config.set_dtype_policy("float32")
     x, y = next_token_data(ROWS, 8, 64, seed=1)
     if reverse_rows:
-        order = np.concatenate(
-            [np.arange(start, min(start + BATCH, ROWS))[::-1] for start in range(0, ROWS, BATCH)]
-        )
+        order = rows_reversed_within_batches(ROWS, BATCH)
         x, y = x[order], y[order]
-    losses, _ = train(model, x, y, batch_size=BATCH)
+    if batches is not None:
+        rows = np.concatenate([np.arange(b * BATCH, min((b + 1) * BATCH, ROWS)) for b in batches])
+        x, y = x[rows], y[rows]
+    losses, _ = train(model, x, y, batch_size=BATCH, callbacks=list(callbacks))
     return np.array(losses), [np.asarray(w, "float64") for w in model.get_weights()], model
+
+
+class AppliedSteps(keras.callbacks.Callback):
+    """Whether the optimizer applied each training batch: a
+    `LossScaleOptimizer` skips a batch whose gradients overflowed, and its
+    `iterations` counts applied ones only."""
+
+    def on_train_begin(self, logs=None):
+        self.applied = []
+        self._count = int(self.model.optimizer.iterations)
+
+    def on_train_batch_end(self, batch, logs=None):
+        count = int(self.model.optimizer.iterations)
+        self.applied.append(count > self._count)
+        self._count = count
 
 
 def largest_difference(a, b):
@@ -90,43 +117,50 @@ def megatron_strategy():
 def test_mixed_bfloat16_decoder_is_as_close_to_float64_as_one_device(lm_weights):
     """The mesh's bf16 run differs from one device's bf16 run by rounding
     order only: both are as far from the exact (float64) training."""
-    exact_losses, exact_weights, _ = fit_lm(lm_weights, "float64")
-    losses, weights, _ = fit_lm(lm_weights, "mixed_bfloat16")
+    exact = fit_lm(lm_weights, "float64")[:2]
+    one_device_runs = [fit_lm(lm_weights, "mixed_bfloat16", reverse_rows=r)[:2] for r in (False, True)]
     mesh_losses, mesh_weights, model = fit_lm(lm_weights, "mixed_bfloat16", megatron_strategy())
 
     assert model.dtype_policy.name == "mixed_bfloat16"
     assert model.get_layer("ffn_in").compute_dtype == "bfloat16"
     assert model.get_layer("ffn_in").kernel.dtype == "float32"
     assert list(model.get_layer("ffn_in").kernel.value.layout.sharding_specs) == ["unsharded", "model"]
-    one_device = distance((losses, weights), (exact_losses, exact_weights))
-    on_mesh = distance((mesh_losses, mesh_weights), (exact_losses, exact_weights))
-    print(f"to float64: one device {one_device}, mesh {on_mesh}; mesh to one device: "
-          f"loss {np.max(np.abs(mesh_losses - losses)):.1e}, "
-          f"weights {largest_difference(mesh_weights, weights):.1e}")
-    assert one_device["weights"] > 1e-3  # bf16 rounding is what is measured
-    assert on_mesh["loss"] <= 2 * one_device["loss"]
-    assert on_mesh["weights"] <= 2 * one_device["weights"]
+    one_device = [distance(run, exact) for run in one_device_runs]
+    on_mesh = distance((mesh_losses, mesh_weights), exact)
+    print(f"to float64: one device {one_device[0]}, rows reversed {one_device[1]}, mesh {on_mesh}")
+    assert min(d["weights"] for d in one_device) > 1e-3  # bf16 rounding is what is measured
+    for quantity in ("loss", "weights"):
+        assert on_mesh[quantity] <= 2 * max(d[quantity] for d in one_device), quantity
 
 
 def test_mixed_float16_with_loss_scaling_matches_one_device_to_rounding(lm_weights):
     """Keras wraps the optimizer in a `LossScaleOptimizer`; the mesh skips
     the same overflowing steps and ends with the same loss scale."""
-    losses, weights, reference = fit_lm(lm_weights, "mixed_float16")
-    reversed_losses, reversed_weights, _ = fit_lm(lm_weights, "mixed_float16", reverse_rows=True)
-    mesh_losses, mesh_weights, model = fit_lm(lm_weights, "mixed_float16", megatron_strategy())
+    runs = {}
+    for name, kwargs in {
+        "one device": {},
+        "rows reversed": {"reverse_rows": True},
+        "mesh": {"strategy": megatron_strategy()},
+    }.items():
+        applied = AppliedSteps()
+        runs[name] = (*fit_lm(lm_weights, "mixed_float16", callbacks=[applied], **kwargs), applied.applied)
+    losses, weights, reference, applied = runs["one device"]
+    mesh_losses, mesh_weights, model, mesh_applied = runs["mesh"]
 
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert model.get_layer("ffn_in").compute_dtype == "float16"
     assert float(model.optimizer.dynamic_scale) == float(reference.optimizer.dynamic_scale)
-    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
-    assert int(reference.optimizer.iterations) < len(losses)  # some steps were skipped
-    yardstick = distance((reversed_losses, reversed_weights), (losses, weights))
-    on_mesh = distance((mesh_losses, mesh_weights), (losses, weights))
-    print(f"to one device: rows reversed {yardstick}, mesh {on_mesh}")
+    assert mesh_applied == runs["rows reversed"][3] == applied
+    assert not all(applied)  # some steps were skipped
+    # The exact answer: float64 trained on the batches float16 applied.
+    exact_weights = fit_lm(lm_weights, "float64", batches=np.flatnonzero(applied))[1]
+    one_device = [largest_difference(runs[name][1], exact_weights) for name in ("one device", "rows reversed")]
+    on_mesh = largest_difference(mesh_weights, exact_weights)
+    print(f"weights to float64: one device {one_device[0]:.2e}, rows reversed {one_device[1]:.2e}, mesh {on_mesh:.2e}")
     # Reversed rows reorder the batch's sums only, not those over features
     # the "model" axis splits: the losses are held to one float16 rounding.
     np.testing.assert_allclose(mesh_losses, losses, rtol=FLOAT16_ROUNDOFF)
-    assert on_mesh["weights"] <= 3 * yardstick["weights"]
+    assert on_mesh <= 2 * max(one_device)
 
 
 def mlp_layouts(policy, layout_map, fully_shard):
