@@ -173,3 +173,33 @@ def test_no_module_imports_a_higher_layer():
 def test_imports_form_no_cycle():
     found = cycles(import_graph())
     assert not found, "Import cycles:\n  " + "\n  ".join(" -> ".join(cycle) for cycle in found)
+
+
+# Keras' and TensorFlow's private modules: they move between releases.
+PRIVATE_PACKAGES = ("keras.src", "tensorflow.python", "tensorflow.compiler", "tensorflow.dtensor.python",
+                    "tensorflow.core", "tf_keras.src")
+# Where they may be imported: the patches, the rewrites of Keras' backend
+# functions, and the one file that hands their names to the rest.
+MAY_IMPORT_PRIVATE = ("tfmp.integrations", "tfmp.lowering")
+
+
+def test_private_keras_and_tensorflow_names_come_from_integrations_internals():
+    found = []
+    for module, path in module_files().items():
+        if module == "tfmp.integrations" or module.startswith(tuple(f"{p}." for p in MAY_IMPORT_PRIVATE)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            found += [
+                f"{module}:{node.lineno} imports {name}"
+                for name in names
+                if any(name == p or name.startswith(p + ".") for p in PRIVATE_PACKAGES)
+            ]
+    assert not found, (
+        "Private Keras or TensorFlow modules imported outside tfmp.integrations and tfmp.lowering "
+        "(take the name from tfmp/integrations/internals.py):\n  " + "\n  ".join(found)
+    )

@@ -44,8 +44,16 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import keras
-from keras.src.models.functional import Functional
 
+from tfmp.integrations.internals import (
+    AveragePool,
+    BaseConv,
+    BaseConvTranspose,
+    BasePooling,
+    Functional,
+    MaxPool,
+    Resize,
+)
 from tfmp.layout import Axes, LayoutMap, gather_on_use
 from tfmp.layout_decision import is_floating_point
 from tfmp.mesh import as_device_mesh
@@ -793,19 +801,12 @@ def _needs_whole_channels(layer: Any) -> bool:
     operands and outputs must be batch parallel" for ResizeBilinear): a pair
     around them would hand them split channels. Nearest upsampling repeats
     rows, which DTensor splits."""
-    from keras.src.layers.pooling.base_pooling import BasePooling
-    from keras.src.ops.image import Resize
-    from keras.src.ops.nn import AveragePool, MaxPool
-
     if isinstance(layer, keras.layers.UpSampling2D):
         return layer.interpolation != "nearest"
     return isinstance(layer, (BasePooling, keras.layers.Resizing, Resize, AveragePool, MaxPool))
 
 
 def _convolutions() -> tuple[type, ...]:
-    from keras.src.layers.convolutional.base_conv import BaseConv
-    from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
-
     return (BaseConv, BaseConvTranspose)
 
 

@@ -18,12 +18,12 @@ import time
 from typing import Any, Sequence
 
 import tensorflow as tf
-from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.experimental import dtensor
-from tensorflow.python.eager import context
 
 from tfmp import cluster_sources
 from tfmp import devices as devices_lib
+from tfmp.integrations.internals import coordination_config_pb2
+from tfmp.integrations.internals import eager_context as context
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:

@@ -6,9 +6,9 @@ from typing import Any, Sequence
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from tfmp.forward import forward_mesh, forward_on
+from tfmp.integrations.internals import get_keras_mask, set_keras_mask
 from tfmp.mesh import DeviceMesh
 from tfmp.pipeline.stages import (
     StageMeshes,

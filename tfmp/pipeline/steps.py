@@ -24,11 +24,10 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.experimental import dtensor
 
 from tfmp.forward import MicrobatchedStep
+from tfmp.integrations.internals import data_adapter_utils, get_keras_mask, set_keras_mask
 from tfmp.mesh import DeviceMesh
 from tfmp.pipeline.layer_group import LayerGroup, move_with_masks
 from tfmp.pipeline.schedule import Action, emission_order, stage_orders

@@ -30,10 +30,9 @@ import functools
 import threading
 from typing import Any, Callable, Iterator
 
-from keras.src.trainers.epoch_iterator import EpochIterator
-
 import tensorflow as tf
 
+from tfmp.integrations.internals import EpochIterator
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.input import MeshDataset, OnDemandDataset
 

@@ -13,8 +13,8 @@ import re
 from typing import Any, Iterator
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
+from tfmp.integrations.internals import eager_context as context
 from tfmp.layout import layout_axes
 
 # Words only DTensor's SPMD expansion and layout propagation use.

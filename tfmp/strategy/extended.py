@@ -11,10 +11,10 @@ from typing import Any, Callable, Iterator
 import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
-from tensorflow.python.distribute import distribute_lib
 
 from tfmp import integrations
 from tfmp.auto_layout import auto_layout, has_weights
+from tfmp.integrations.internals import distribute_lib
 from tfmp.layout import LayoutMap, declared_layout, explicit_layout, replicated
 from tfmp.layout_decision import decide_layout
 from tfmp.mesh import DeviceMesh

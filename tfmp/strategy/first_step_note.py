@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 import keras
-from keras.src.utils.io_utils import print_msg
 from tensorflow.experimental import dtensor
 
 from tfmp.devices import is_simulated
+from tfmp.integrations.internals import keras_io_utils
 from tfmp.strategy.callback_lists import with_callback
 
 
@@ -30,13 +30,13 @@ class FirstStepNote(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if self._started_at is None:
-            print_msg(self._begin_text)
+            keras_io_utils.print_msg(self._begin_text)
             self._started_at = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self._started_at is not None and not self._done:
             self._done = True
-            print_msg(f"Laid out in {time.perf_counter() - self._started_at:.1f} s.")
+            keras_io_utils.print_msg(f"Laid out in {time.perf_counter() - self._started_at:.1f} s.")
 
 
 def with_first_step_note(callbacks: Any, model: Any, mesh: dtensor.Mesh, verbose: Any) -> Any:

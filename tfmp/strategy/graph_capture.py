@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorflow.python.eager import context
 
+from tfmp.integrations.internals import eager_context as context
 from tfmp.strategy.replicated_ops import note_replicated_ops
 
 # Batches fed with collection on: the first step runs on one of the first

@@ -29,11 +29,10 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import tensorflow as tf
-from tensorflow.dtensor.python import api as dtensor_api
 from tensorflow.experimental import dtensor
-from tensorflow.python.data.ops import multi_device_iterator_ops
-from tensorflow.python.ops import gen_dataset_ops
 
+from tfmp.integrations.internals import dtensor_api
+from tfmp.integrations.internals import gen_dataset_ops, multi_device_iterator_ops
 from tfmp.strategy.placement import BatchPlacer
 
 _END, _BATCH, _OTHER_SHAPES = 0, 1, 2

@@ -16,10 +16,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import input_lib
-from tensorflow.python.types import distribute as distribute_types
 
 from tfmp import distributed
+from tfmp.integrations.internals import distribute_types, input_lib
 from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.graph_input import GraphBatches
 from tfmp.strategy.placement import BatchPlacer, pack

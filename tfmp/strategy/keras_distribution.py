@@ -22,11 +22,11 @@ from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 from tensorflow.experimental import dtensor
 
 from tfmp import distributed
 from tfmp.forward import forward_mesh
+from tfmp.integrations.internals import keras_tf_distribution_lib as tf_distribution_lib
 from tfmp.strategy.placement import to_layout
 from tfmp.strategy.strategy import ModelParallelStrategy
 

@@ -34,10 +34,12 @@ from typing import Any, Callable, Iterator
 import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
-from tensorflow.python.framework import dtypes, ops
 
 from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
+from tfmp.integrations.internals import data_adapter_utils
+from tfmp.integrations.internals import tf_dtypes as dtypes
+from tfmp.integrations.internals import tf_ops as ops
 from tfmp.strategy import errors, peer_errors
 from tfmp.strategy.epoch_iterator import build_pass_expected
 from tfmp.strategy.extended import extended_of
@@ -269,8 +271,6 @@ def on_batch(method: Callable) -> Callable:
             bound = signature.bind(self, *args, **kwargs)
             data = bound.arguments
             if data.get("class_weight") is not None and data.get("sample_weight") is None:
-                from keras.src.trainers.data_adapters import data_adapter_utils
-
                 data["sample_weight"] = data_adapter_utils.class_weight_to_sample_weights(
                     data["y"], data.pop("class_weight")
                 )

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from tensorflow.experimental import dtensor
 
 from tfmp import distributed
 from tfmp._env import PREEMPTED_EXIT_CODE
+from tfmp.integrations.internals import TensorFlowTrainer
 
 
 class PreemptionNotice:

@@ -27,9 +27,8 @@ import tempfile
 import zipfile
 from typing import Any, Callable
 
-from keras.src.utils import io_utils
-
 from tfmp import distributed
+from tfmp.integrations.internals import keras_io_utils as io_utils
 from tfmp.strategy import atomic_files
 
 # The endings Keras writes as one local file (".weights.h5" among them).

@@ -20,8 +20,8 @@ import functools
 from typing import Any, Callable
 
 import tensorflow as tf
-from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
+from tfmp.integrations.internals import reduce_per_replica
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy import stacked_batches
 

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
-from tensorflow.python.ops import gen_math_ops
 
 from tfmp.forward import GATHER_SCOPE, forward_mesh
+from tfmp.integrations.internals import gen_math_ops
 from tfmp.layout import replicated
 from tfmp.strategy.placement import to_layout
 

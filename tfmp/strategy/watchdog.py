@@ -40,9 +40,9 @@ from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 from tfmp import distributed
+from tfmp.integrations.internals import eager_context as context
 from tfmp.strategy.callback_lists import with_callback
 from tfmp.strategy.peer_errors import VERDICT_MARKER, explain_peer_failure
 
