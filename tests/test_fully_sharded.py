@@ -128,9 +128,9 @@ def test_fully_sharded_mlp_on_1x8_and_8x1():
         model = fit_both("mlp", strategy)
         kernel = model.get_layer("up").kernel.value
         if shape == (8, 1):
-            # (16, 32): dimension 1 holds the rule's "model" (of size 1), so
-            # "batch" takes dimension 0.
-            assert kernel.layout.sharding_specs == ["batch", "model"]
+            # (16, 32): the rule's "model" has size 1, so dimension 1 is
+            # stored whole and "batch" takes it, the largest.
+            assert kernel.layout.sharding_specs == ["unsharded", "batch"]
         else:
             assert kernel.layout.sharding_specs == ["unsharded", "model"]
 
@@ -165,7 +165,8 @@ def embedding_data():
     "shape, axes, fully_shard, stored",
     [
         ((2, 4), ("model", None), True, ["model", "batch"]),
-        ((8, 1), ("model", None), True, ["model", "batch"]),
+        # "model" has size 1: the rows are stored whole, and "batch" takes them.
+        ((8, 1), ("model", None), True, ["batch", "unsharded"]),
         ((8, 1), None, True, ["batch", "unsharded"]),
         # Not fully sharded: read as stored. Here a split layout for the rows,
         # pushed back by DTensor, broke the pooling's backward pass.

@@ -74,6 +74,10 @@ CASES = [
     ("a batch axis of one device: nothing more", (16, 32), "float32", {"rule": RULE}, "batch",
      {"batch": 1, "model": 8}, ((None, "model"), "rule")),
     ("a stage mesh without the batch axis", (16, 32), "float32", {}, "batch", {"model": 4}, ((None, None), "replicated")),
+    ("a split over an axis of size 1 is whole", (16, 32), "float32", {"rule": ("k", ("model", "batch"))}, None,
+     {"batch": 1, "model": 8}, (("model", None), "rule")),
+    ("a model axis of size 1: whole, then fully sharded there", (16, 32), "float32", {"rule": RULE}, "batch",
+     {"batch": 8, "model": 1}, ((None, "batch"), "rule")),
 ]
 
 

@@ -296,13 +296,15 @@ FILTERS_SPLIT = {"filters/kernel": FILTERS, "filters/bias": ("model",)}
         ((2, 4), rules(FILTERS_SPLIT), WHOLE_KERNELS),
         ((2, 4), rules({"out/kernel": ("model", None)}), WHOLE_KERNELS | {(2, 2, 8, 4)}),
         ((8, 1), None, WHOLE_KERNELS | {(2, 2, 8, 4)}),
+        ((8, 1), rules(FILTERS_SPLIT), WHOLE_KERNELS | {(2, 2, 8, 4)}),
     ],
-    ids=["2x4-filters-split", "2x4-kernels-whole", "8x1-auto"],
+    ids=["2x4-filters-split", "2x4-kernels-whole", "8x1-auto", "8x1-filters-over-an-axis-of-size-1"],
 )
 def test_convolutions_with_whole_kernels_run_natively_and_match_one_device(shape, layout_map_fn, natively, monkeypatch):
     """DTensor's own Conv ops take a batch split: a convolution whose kernel
     is whole runs as Keras' own op on the mesh (one op, one device's sums),
-    not as a sum of per-tap products; a split kernel runs tap-wise. 13 rows
+    not as a sum of per-tap products; a split kernel runs tap-wise (a split
+    over an axis of size 1 is stored whole: natively). 13 rows
     at batch 4 end with a batch of one, which divides by no batch axis."""
     kernels = []
     native_conv = lowered._native_conv

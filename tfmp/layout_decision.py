@@ -123,7 +123,9 @@ def decide_layout(
     else:
         source, described, axes, lenient = "replicated", "no rule: replicated", (None,) * len(shape), False
     split, undivided = _checked(axes, shape, mesh_axes, path, described, lenient)
-    gathered = tuple(axis for axis in axes if axis) if isinstance(axes, GatheredOnUse) else ()
+    gathered = ()
+    if isinstance(axes, GatheredOnUse):
+        gathered = tuple(axis for axis in axes if axis and mesh_axes.get(axis, 1) > 1)
     why = described
     if fully_shard_axis is not None:
         split, why = _fully_sharded(split, shape, dtype, mesh_axes, fully_shard_axis, why)
@@ -147,8 +149,8 @@ def _checked(
 ) -> tuple[tuple[str | None, ...], tuple[UndividedDimension, ...]]:
     """`axes` fitted to `shape` on the mesh: an axis the mesh lacks is an
     error, or with `lenient` (a declared layout: the layer then behaves as
-    its Keras counterpart) a whole dimension; a size that does not divide
-    keeps its dimension whole."""
+    its Keras counterpart) a whole dimension; a size that does not divide,
+    or an axis of size 1, keeps its dimension whole."""
     if len(axes) != len(shape):
         raise ValueError(
             f"Layout {tuple(axes)} for variable {path!r} has {len(axes)} entries but the "
@@ -169,7 +171,11 @@ def _checked(
             undivided.append(UndividedDimension(path, dim, size, axis, mesh_axes[axis], source))
             split.append(None)
         else:
-            split.append(axis)
+            # A split over an axis of size 1 holds the whole dimension on every
+            # device: stored whole, where DTensor's layout propagation fails on
+            # some such splits (an embedding table's gather under Adam on a
+            # 1x8 mesh, a Conv's filter).
+            split.append(axis if mesh_axes[axis] > 1 else None)
     return tuple(split), tuple(undivided)
 
 
