@@ -7,7 +7,7 @@ conv split over its filters fails. Written over the window's taps,
 
 a pooling is made of strided slices and maximums, which DTensor lays out
 whatever the split of batch and channels, with TensorFlow's gradients. The
-taps are the conv lowering's (`tfmp.lowering.conv.Taps`). Max pooling reads
+taps are the conv lowering's (`tfmp.lowering.taps.Taps`). Max pooling reads
 the padding as the lowest value of the dtype, so that it never wins. Taps are
 compared in window order and a tie goes to the earlier one, as TensorFlow's
 `MaxPoolGrad` sends a tie's gradient to the first maximum.
@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend import standardize_data_format
 
-from tfmp.lowering.conv import Pinning, Taps, axis_plan, per_axis
+from tfmp.lowering.taps import Pinning, Taps, axis_plan, per_axis
 from tfmp.lowering.registry import Lowering
 
 
