@@ -189,7 +189,7 @@ def test_partial_last_batch_through_a_conv_stack_fits_evaluates_and_predicts(sha
     again with an unknown batch size, where the convolution laid its
     activations out split over the batch axis (DTensor: "dimension size=5
     is not divisible by number of shards"). Weights are held to a noise
-    yardstick: on a CPU with AVX512_BF16, late in a test session, one of the
+    yardstick: in CI, late in a test session, one of the
     8x1 mesh's 800 weights came 1.06e-5 from one device's."""
     layout_map_fn = (lambda device_mesh: "auto") if layout == "auto" else rules(TOKEN_CLASSIFIER_RULES)
     x, y = token_data(37)
