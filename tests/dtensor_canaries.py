@@ -257,7 +257,7 @@ def _take():
     )
 
 
-@probe("array_ops.strided_slice", "the strided_slice lowering (tfmp/lowering/image.py)")
+@probe("array_ops.strided_slice", "the strided_slice lowering (tfmp/lowering/slicing.py)")
 def _backward_slice():
     return wrong_values(lambda x: x[:, ::-1] * 1.0, ROWS, specs=[("batch", "model")])
 

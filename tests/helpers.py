@@ -12,10 +12,19 @@ import tensorflow as tf
 import numpy as np
 
 import tfmp
+from tfmp import integrations
 from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
 
 MESH_SHAPES = [(1, 1), (8, 1), (2, 4), (1, 8)]
 SEED = 7
+
+
+class PatchesHeld:
+    """Holds tfmp's patches and lowerings in while it lives, as a strategy
+    does: for tests that trace on a mesh with no strategy."""
+
+    def __init__(self):
+        integrations.install(self)
 
 
 def mesh(shape, axis_names=None) -> tfmp.DeviceMesh:

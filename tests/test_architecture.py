@@ -2,8 +2,9 @@
 
 Every module of the `tfmp` package is parsed with `ast` (nothing is imported,
 so the test needs no TensorFlow); every `import` and `from ... import` of a
-tfmp module counts, at module level or inside a function. Wiring by string
-(`tfmp.integrations`' `Patch(wrapper="pkg.mod:function")`) is not an import.
+tfmp module counts, at module level or inside a function, and so does a
+string that names one (`"tfmp.lowering.conv"`, `"tfmp.strategy.saving:chief_writes"`):
+wiring by string is an import the interpreter does later.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent / "tfmp"
 LAYERS = (
     (
         "tfmp._env",
+        "tfmp.tracing",
+        "tfmp.state",
         "tfmp.devices",
         "tfmp.cluster_sources",
         "tfmp.distributed",
@@ -93,6 +96,8 @@ def imported_modules(module: str, path: pathlib.Path, known: set[str]) -> set[st
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
                 imported.add(submodule if submodule in known else base)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("tfmp."):
+            imported.add(node.value.partition(":")[0])
     return {name for name in imported if name in known and name != module}
 
 

@@ -21,8 +21,8 @@ import sys
 import pytest
 
 from tfmp._env import REPLICATED_BY_DEFAULT, REPLICATED_OPS
-from tfmp.integrations import tensorflow as tensorflow_integration
-from tfmp.lowering import registry
+from tfmp import integrations
+from tfmp.lowering import lowerings
 
 PROBES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dtensor_canaries.py")
 
@@ -54,9 +54,9 @@ WITHOUT_CANARY = {
 def workarounds() -> set[str]:
     """Every lowering, integration patch of TensorFlow and replicated op, by
     the names the probes use."""
-    lowerings = {f"{lowering.target.rsplit('.', 1)[-1]}.{lowering.attribute}" for lowering in registry.lowerings()}
-    patches = {f"tf.{patch.attribute}" for patch in tensorflow_integration.PATCHES}
-    return lowerings | patches | set(REPLICATED_OPS)
+    lowered = {f"{lowering.target.rsplit('.', 1)[-1]}.{lowering.attribute}" for lowering in lowerings()}
+    patches = {f"tf.{d.patch.attribute}" for d in integrations.declarations() if d.patch.package == "tensorflow"}
+    return lowered | patches | set(REPLICATED_OPS)
 
 
 @pytest.fixture(scope="module")

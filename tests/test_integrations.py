@@ -40,14 +40,14 @@ def _sets_attribute(cls, attribute):
 def test_every_patched_target_exists_with_the_parameters_its_wrapper_uses(entry):
     patch = entry.patch
     __import__(entry.library.MODULE)
-    assert callable(patch.wrapper_function()), patch.wrapper
+    assert callable(patch.wrapper), patch.wrapper
     owner = patch.owner()
     if not patch.in_installed_library():
         assert not hasattr(owner, patch.attribute), f"{patch.target}.{patch.attribute} exists before its `since`"
         return
     if patch.kind == "addition":
         # Once the library defines it, tfmp's stand-in would hide its own.
-        assert getattr(owner, patch.attribute, None) in (None, patch.wrapper_function()), (
+        assert getattr(owner, patch.attribute, None) in (None, patch.wrapper), (
             f"{patch.target} now defines {patch.attribute!r}: drop tfmp's ({patch.why})"
         )
         return
@@ -82,7 +82,6 @@ def test_an_untested_version_warns_once_with_the_range(monkeypatch):
         PACKAGE="keras",
         MODULE="fake_keras",
         TESTED=("3.12", "3.13"),
-        PATCHES=(),
     )
     monkeypatch.setattr(integrations, "libraries", lambda: [library])
     monkeypatch.setitem(sys.modules, "fake_keras", types.ModuleType("fake_keras"))
@@ -105,22 +104,95 @@ def test_importing_tfmp_patches_only_keras_distribution_and_imports_no_optional_
         "assert keras.distribution.set_distribution is not set_distribution, 'ON_IMPORT not applied'\n"
         "loaded = [m for m in ('tf_keras', 'orbit', 'official', 'keras_hub') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
-        "tfmp.ModelParallelStrategy(tfmp.DeviceMesh((1,), ('batch',)))\n"
+        "strategy = tfmp.ModelParallelStrategy(tfmp.DeviceMesh((1,), ('batch',)))\n"
         "assert keras.layers.Layer.__call__ is not call, 'not installed with the strategy'\n"
     )
     finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert finished.returncode == 0, finished.stderr[-2000:]
 
 
-def test_each_library_module_declares_changes_of_its_own_library():
-    """The tested versions an entry is held to are its own library's."""
+# Runs in a fresh process: every attribute tfmp patches, read before any
+# strategy, must be the very same object again once the last one is gone.
+_UNPATCHED_AFTER_THE_LAST_STRATEGY = """
+import gc
+import numpy as np
+import keras
+import tfmp
+from tfmp import integrations
+
+tfmp.simulate_devices(2)
+__import__("tf_keras")
+__import__("orbit")
+patches = [d.patch for d in integrations.declarations() if not d.on_import and d.patch.kind != "instance"]
+patches = [p for p in patches if p.in_installed_library()]
+MISSING = object()
+
+def state(patch):
+    owner = patch.owner()
+    if patch.kind == "gradient":
+        return owner._registry[patch.attribute]["type"]
+    return vars(owner).get(patch.attribute, MISSING)
+
+before = [state(p) for p in patches]
+x = np.linspace(0, 1, 24, dtype="float32").reshape(12, 2)
+y = x.sum(axis=1, keepdims=True)
+
+def fit(model):
+    model.compile(optimizer="sgd", loss="mse")
+    return model.fit(x, y, batch_size=4, epochs=1, verbose=0).history["loss"][0]
+
+def model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+
+strategy = tfmp.ModelParallelStrategy(tfmp.DeviceMesh((2,), ("batch",)))
+with strategy.scope():
+    on_mesh = model()
+    mesh_loss = fit(on_mesh)
+changed = sum(state(p) is not b for p, b in zip(patches, before))
+assert changed == len(patches), f"{changed} of {len(patches)} patched with a strategy"
+del strategy, on_mesh
+gc.collect()
+still = [f"{p.target}.{p.attribute}" for p, b in zip(patches, before) if state(p) is not b]
+assert not still, f"still patched after the last strategy: {still}"
+assert np.isclose(fit(model()), mesh_loss, rtol=1e-5), "plain Keras after the strategy"
+strategy = tfmp.ModelParallelStrategy(tfmp.DeviceMesh((2,), ("batch",)))
+assert all(state(p) is not b for p, b in zip(patches, before)), "a new strategy patches again"
+with strategy.scope():
+    assert np.isclose(fit(model()), mesh_loss, rtol=1e-5), "a new strategy trains as the first did"
+print(len(patches))
+"""
+
+
+def test_the_last_strategy_to_go_takes_every_patch_back_and_plain_keras_runs_unpatched():
+    finished = subprocess.run(
+        [sys.executable, "-c", _UNPATCHED_AFTER_THE_LAST_STRATEGY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    # Every patch of Keras, TensorFlow, tf_keras and Orbit applied by the strategy.
+    assert int(finished.stdout.split()[-1]) == sum(
+        not e.on_import and e.patch.kind != "instance" and e.patch.in_installed_library() for e in ENTRIES
+    )
+
+
+def test_one_attribute_is_patched_in_one_place():
+    declared = integrations.declarations()[0]
+    with pytest.raises(ValueError, match=r"patched by .* already, and tests.elsewhere declares it again"):
+        integrations.declare("tests.elsewhere", [declared.patch])
+
+
+def test_each_patch_is_declared_by_the_layer_whose_function_it_puts_in():
+    """No lower layer wires in a higher one's function; integrations/ only
+    describes the libraries."""
     for entry in ENTRIES:
-        if entry.declared_in.startswith("tfmp.integrations."):
-            assert entry.declared_in == entry.library.__name__, (
-                f"{entry.patch.target}.{entry.patch.attribute} is declared in "
-                f"{entry.declared_in} but changes {entry.library.PACKAGE}: declare it in "
-                f"{entry.library.__name__}"
-            )
+        layer = ".".join(entry.declared_in.split(".")[:2])
+        assert layer != "tfmp.integrations" and entry.patch.wrapper.__module__.startswith(layer + "."), (
+            f"{entry.patch.target}.{entry.patch.attribute} is declared in {entry.declared_in}, "
+            f"but its wrapper is {entry.patch.wrapper.__module__}'s: declare it there"
+        )
     assert {entry.patch.kind for entry in ENTRIES} == {"class", "instance", "gradient", "addition", "lowering"}
     assert any(entry.library.MODULE == "tensorflow" and entry.patch.kind == "lowering" for entry in ENTRIES)
 

@@ -178,7 +178,7 @@ def test_lowerings_take_keras_arguments():
     names = {lowering.attribute for lowering in lowered.LOWERINGS}
     assert names == {"add", "conv", "conv_transpose"}
     for lowering in lowered.LOWERINGS:
-        module, replacement = lowering.owner(), lowering.wrapper_function()
+        module, replacement = lowering.owner(), lowering.wrapper
         keras_function = getattr(module, lowering.attribute)
         keras_signature = inspect.signature(getattr(keras_function, "__wrapped_keras__", keras_function))
         assert inspect.signature(replacement).parameters.keys() == keras_signature.parameters.keys()

@@ -10,7 +10,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import assert_parity, mesh, rules
+from helpers import PatchesHeld, assert_parity, mesh, rules
 from tfmp.forward import forward_on
 
 RNG = np.random.default_rng(0)
@@ -46,8 +46,9 @@ def assert_close(got, want):
 
 @pytest.fixture(scope="module")
 def device_mesh():
-    tfmp.lowering.install()
-    return mesh((2, 4)).dtensor_mesh
+    held = PatchesHeld()
+    yield mesh((2, 4)).dtensor_mesh
+    del held
 
 
 def on_mesh(device_mesh, value, layout_specs):

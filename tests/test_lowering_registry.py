@@ -17,7 +17,7 @@ def test_replacement_takes_keras_arguments(lowering):
         assert not hasattr(module, lowering.attribute), f"{lowering} exists before its `since`"
         return
     keras_function = keras_original(lowering.target, lowering.attribute)  # fails if Keras moved it
-    replacement = lowering.wrapper_function()
+    replacement = lowering.wrapper
     replacement_parameters = inspect.signature(replacement).parameters
     if any(p.kind is p.VAR_POSITIONAL for p in replacement_parameters.values()):
         return  # declines whatever it is given

@@ -13,6 +13,7 @@ import tfmp
 from helpers import (
     BatchLosses,
     MinimalCell,
+    PatchesHeld,
     assert_parity,
     assert_weights_close,
     initial_weights,
@@ -359,7 +360,7 @@ def test_unknown_number_of_time_steps_is_a_clear_error_for_a_step_that_draws():
 )
 def test_reordering_ops_on_a_mesh(op, want):
     """Values and gradients, on a (batch, time, model)-split tensor."""
-    tfmp.lowering.install()
+    held = PatchesHeld()  # noqa: F841
     device_mesh = mesh((2, 4)).dtensor_mesh
     x = np.arange(4 * 5 * 8, dtype="float32").reshape(4, 5, 8)
     split = dtensor.Layout(["batch", dtensor.UNSHARDED, "model"], device_mesh)
@@ -395,7 +396,7 @@ def _parts(value):
 
 def test_cudnn_kernels_are_declined_on_a_mesh(monkeypatch):
     """Where Keras would run cuDNN (a GPU), a mesh takes the generic loop."""
-    tfmp.lowering.install()
+    held = PatchesHeld()  # noqa: F841
     monkeypatch.setattr(
         importlib.import_module("keras.src.backend.tensorflow.rnn"),
         "_is_gpu_available",

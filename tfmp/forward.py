@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
+
+from tfmp.tracing import context, scoped
 
 # Name scope of the relayouts that gather weights on use: `tfmp.comm_report`
 # tells their collectives from the others by it.
@@ -43,18 +44,10 @@ REPLICATED_SCOPE = "tfmp_replicated_"
 # backward pass from the forward one.
 BACKWARD_SCOPE = "gradient_tape"
 
-_forward = threading.local()
 
-
-@contextlib.contextmanager
-def forward_on(mesh: dtensor.Mesh | None) -> Iterator[None]:
+def forward_on(mesh: dtensor.Mesh | None) -> contextlib.AbstractContextManager:
     """A layer's forward pass on `mesh` is traced in the block (None: on no mesh)."""
-    previous = getattr(_forward, "mesh", None)
-    _forward.mesh = mesh
-    try:
-        yield
-    finally:
-        _forward.mesh = previous
+    return scoped(forward_mesh=mesh)
 
 
 def forward_mesh() -> dtensor.Mesh | None:
@@ -62,7 +55,7 @@ def forward_mesh() -> dtensor.Mesh | None:
     (also when running eagerly: DTensor lays out only traced functions)."""
     if tf.executing_eagerly():
         return None
-    return getattr(_forward, "mesh", None)
+    return context.forward_mesh
 
 
 class MicrobatchedStep:
@@ -91,13 +84,13 @@ class MicrobatchedStep:
     @contextlib.contextmanager
     def microbatch(self, index: int) -> Iterator[None]:
         """One stage's forward pass of micro-batch `index` is traced in the block."""
-        previous = getattr(_forward, "step", None)
-        _forward.step, self.index = self, index
+        self.index = index
         self._draws.clear()
         try:
-            yield
+            with scoped(microbatched_step=self):
+                yield
         finally:
-            _forward.step, self.index = previous, None
+            self.index = None
 
     def seed(self, generator: Any, draw: Callable[[], Any]) -> Any:
         """The step's seed for `generator`'s next draw in this pass: `draw()`
@@ -114,7 +107,7 @@ def microbatched_step() -> MicrobatchedStep | None:
     """The pipeline step whose micro-batch is being traced, or None."""
     if tf.executing_eagerly():
         return None
-    return getattr(_forward, "step", None)
+    return context.microbatched_step
 
 
 def batch_spec(inputs: Any, mesh: dtensor.Mesh, other_axis: str) -> str:

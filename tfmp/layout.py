@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import functools
 import re
-import threading
 import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -15,6 +14,8 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfmp.mesh import DeviceMesh, as_device_mesh
+from tfmp.state import VariableState, known_state, state_of
+from tfmp.tracing import context
 
 Axes = tuple  # one entry per tensor dimension: a mesh axis name or None
 
@@ -347,9 +348,6 @@ def _as_axes(axes: Any) -> Axes:
     return GatheredOnUse(axes) if isinstance(axes, GatheredOnUse) else tuple(axes)
 
 
-_declarations = threading.local()
-
-
 @contextlib.contextmanager
 def declared_layouts(owner: str, layouts: Mapping[str, Axes]) -> Iterator[None]:
     """Declares the layouts of the weights a layer creates within the block.
@@ -362,7 +360,7 @@ def declared_layouts(owner: str, layouts: Mapping[str, Axes]) -> Iterator[None]:
         owner: Name of the declaring layer, for error messages.
         layouts: Relative weight path -> axes.
     """
-    stack = _declarations.__dict__.setdefault("stack", [])
+    stack = context.layout_declarations
     stack.append((owner, {key: _as_axes(axes) for key, axes in layouts.items()}))
     try:
         yield
@@ -380,15 +378,15 @@ def declare_deferred(owner: str, layouts: Mapping[str, Axes], variables: Any) ->
     for variable in variables:
         found = _find_declared(variable.path, [(owner, layouts)])
         if found is not None:
-            variable._tfmp_declared_layout = found
+            state_of(variable, VariableState).declared_layout = found
 
 
 def declared_layout(path: str, keras_variable: Any = None) -> tuple[str, Axes] | None:
     """`(owner, axes)` declared for the variable at `path`, or None."""
-    recorded = getattr(keras_variable, "_tfmp_declared_layout", None)
-    if recorded is not None:
-        return recorded
-    return _find_declared(path, reversed(_declarations.__dict__.get("stack", [])))
+    recorded = None if keras_variable is None else known_state(keras_variable, VariableState)
+    if recorded is not None and recorded.declared_layout is not None:
+        return recorded.declared_layout
+    return _find_declared(path, reversed(context.layout_declarations))
 
 
 def explicit_layout(keras_variable: Any) -> tuple[str, Axes] | None:

@@ -8,6 +8,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmp import integrations
+from tfmp.integrations import Patch
+
 
 class GradientNormRecorder:
     """Keeps the norm of each synchronized gradient of the latest step.
@@ -63,3 +66,18 @@ def _norm(gradient: Any) -> tf.Tensor:
         # Rows may repeat; the norm is that of the summed dense gradient.
         gradient = tf.convert_to_tensor(gradient)
     return tf.cast(tf.norm(gradient), tf.float32)
+
+
+integrations.declare(
+    __name__,
+    (
+        Patch(
+            "keras.src.backend.tensorflow.optimizer:TFOptimizer",
+            "_all_reduce_sum_gradients",
+            GradientNormRecorder,
+            "GradientSyncMonitor(grad_norms=True) records the synchronized gradients.",
+            parameters=("grads_and_vars",),
+            kind="instance",
+        ),
+    ),
+)

@@ -1,9 +1,10 @@
 """Every change tfmp makes to another library, in one list, and the tables
 of the docs written from it.
 
-The patches of `tfmp/integrations/` and the lowerings of `tfmp/lowering/`
-are one declaration, `tfmp.integrations.Patch`; `entries()` lists them all
-with the library each changes. `docs/integrations.md` and the lowering
+The patches each layer of tfmp declares (`tfmp.integrations.declare`) and
+the lowerings of `tfmp/lowering/` are one declaration,
+`tfmp.integrations.Patch`; `entries()` lists them all with the library each
+changes. `docs/integrations.md` and the lowering
 table of `docs/layouts.md` hold tables generated here, between markers, and
 `tests/test_integrations.py` fails when they differ from what `entries()`
 gives. After changing a declaration:
@@ -22,9 +23,10 @@ import re
 import sys
 from typing import Any, Callable
 
+# Every layer of tfmp declares its patches as it is imported.
+import tfmp._api  # noqa: F401
 from tfmp import integrations
 from tfmp.integrations import Patch
-from tfmp.lowering import registry
 
 _LOWERING_PACKAGE = "tfmp.lowering."
 _DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
@@ -40,14 +42,14 @@ class Entry:
         patch: The declaration.
         library: The integration module of the library it changes (its
             `PACKAGE`, `MODULE` and `TESTED` versions).
-        declared_in: The module whose table holds it.
-        on_import: Whether it is applied as tfmp is imported (`ON_IMPORT`).
+        declared_in: The tfmp module that declared it.
+        on_import: Whether it is applied as tfmp is imported.
 
     Examples:
         >>> from tfmp.integrations.table import entries
         >>> entry = next(e for e in entries() if e.patch.attribute == "__call__")
         >>> entry.library.PACKAGE, entry.declared_in, entry.applied
-        ('keras', 'tfmp.integrations.keras', 'with the strategy')
+        ('keras', 'tfmp.strategy.patches', 'with the strategy')
     """
 
     patch: Patch
@@ -59,7 +61,7 @@ class Entry:
     def family(self) -> str | None:
         """The lowering family whose function replaces the target (the
         module of `tfmp.lowering` that holds it), or None."""
-        module = self.patch.wrapper.partition(":")[0]
+        module = self.patch.wrapper.__module__
         return module.removeprefix(_LOWERING_PACKAGE) if module.startswith(_LOWERING_PACKAGE) else None
 
     @property
@@ -73,15 +75,15 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """Every patch and lowering tfmp declares, library by library, then
-    lowering family by family."""
-    found = []
-    for library in integrations.libraries():
-        for on_import, table in ((False, library.PATCHES), (True, getattr(library, "ON_IMPORT", ()))):
-            found += [Entry(p, integrations.library_of(p), library.__name__, on_import) for p in table]
-    for family in registry.families():
-        found += [Entry(p, integrations.library_of(p), family.__name__) for p in family.LOWERINGS]
-    return found
+    """Every patch and lowering tfmp declares, library by library, each in
+    the order tfmp's modules declared them."""
+    declared = integrations.declarations()
+    return [
+        Entry(d.patch, library, d.module, d.on_import)
+        for library in integrations.libraries()
+        for d in declared
+        if integrations.library_of(d.patch) is library
+    ]
 
 
 def integrations_markdown() -> str:
@@ -104,11 +106,17 @@ def integrations_markdown() -> str:
             "",
             f"### {library.PACKAGE} ({_tested(library)}): `tfmp/integrations/{_file_of(library)}`",
             "",
-            "| changes | applied | why | since |",
-            "|---|---|---|---|",
+            "| changes | applied | declared in | why | since |",
+            "|---|---|---|---|---|",
         ]
         lines += [
-            _row(f"`{e.patch.target}` `{e.patch.attribute}`", e.applied, e.patch.why, e.patch.since or "")
+            _row(
+                f"`{e.patch.target}` `{e.patch.attribute}`",
+                e.applied,
+                f"`{e.declared_in}`",
+                e.patch.why,
+                e.patch.since or "",
+            )
             for e in listed
             if e.library is library and e.patch.kind != "lowering"
         ]

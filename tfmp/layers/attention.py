@@ -7,7 +7,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmp import integrations
 from tfmp.forward import BACKWARD_SCOPE
+from tfmp.integrations import Patch
 from tfmp.layers.declaring import DeclaresLayouts
 from tfmp.layout import Axes
 
@@ -117,3 +119,19 @@ def _self_attention_projections(x: Any, layers: tuple) -> list:
         return outputs, grad
 
     return project(x, *weights)
+
+
+integrations.declare(
+    __name__,
+    (
+        Patch(
+            "keras.src.layers.attention.multi_head_attention:MultiHeadAttention",
+            name,
+            ParallelMultiHeadAttention,
+            "Self-attention projects query, key and value in one all-reduce of "
+            "the input's gradient.",
+            kind="instance",
+        )
+        for name in ("_query_dense", "_key_dense", "_value_dense")
+    ),
+)

@@ -5,12 +5,44 @@ ordinary Keras layers use have none (`DepthwiseConv2dNativeBackpropFilter`,
 `ReverseV2`, TensorList ops of `tf.while_loop`) or refuse split operands
 (`Conv2D` with a split kernel). While a layer's forward pass is traced on a
 tfmp mesh, the Keras backend functions listed in each family's `LOWERINGS` run tfmp's
-rewrite instead; anywhere else they are Keras' own. Ops without a rule that
+rewrite instead; anywhere else they are Keras' own. Importing the package
+declares them (and the TensorFlow functions some families patch) with
+`tfmp.integrations`. Ops without a rule that
 no rewrite runs faster run replicated, on inputs gathered first
 (`tfmp.lowering.replicated`). Each entry names the Keras versions it was
 tested with (see `tfmp.lowering.registry`).
 """
 
-from tfmp.lowering.registry import Lowering, install, lowerings
+from tfmp import integrations
+from tfmp.lowering import (
+    arrays,
+    conv,
+    elementwise,
+    image,
+    indexing,
+    joins,
+    loops,
+    pooling,
+    random,
+    reduction,
+    replicated,
+    rnn,
+    slicing,
+)
+from tfmp.lowering.registry import Lowering
 
-__all__ = ["Lowering", "install", "lowerings"]
+# Each module holds the lowerings of one op family, as a tuple `LOWERINGS`,
+# and the TensorFlow functions it patches with its code, `PATCHES`.
+FAMILIES = (conv, rnn, random, indexing, image, joins, slicing, pooling, reduction, elementwise, arrays, loops, replicated)
+
+
+def lowerings() -> tuple[Lowering, ...]:
+    """Every lowering, family by family."""
+    return tuple(lowering for family in FAMILIES for lowering in getattr(family, "LOWERINGS", ()))
+
+
+for _family in FAMILIES:
+    integrations.declare(_family.__name__, (*getattr(_family, "LOWERINGS", ()), *getattr(_family, "PATCHES", ())))
+del _family
+
+__all__ = ["FAMILIES", "Lowering", "lowerings"]

@@ -98,33 +98,33 @@ LOWERINGS = (
     Lowering(
         _KERAS_NUMPY,
         "tril",
-        f"{__name__}:tril",
+        tril,
         "MatrixBandPart has no layout rule; replicated, it gathers its input and was "
         "slower (bench/generic_path.py)",
     ),
     Lowering(
         _KERAS_NUMPY,
         "triu",
-        f"{__name__}:triu",
+        triu,
         "MatrixBandPart has no layout rule; replicated, it gathers its input and was "
         "slower (bench/generic_path.py)",
     ),
     Lowering(
         _KERAS_NUMPY,
         "transpose",
-        f"{__name__}:transpose",
+        transpose,
         "Transpose refuses a result laid out other than its input, permuted",
     ),
     Lowering(
         _KERAS_NUMPY,
         "argsort",
-        f"{__name__}:argsort",
+        argsort,
         "TopKV2 refuses outputs split on the sorted dimension",
     ),
     Lowering(
         _KERAS_NUMPY,
         "sort",
-        f"{__name__}:sort",
+        sort,
         "TopKV2 refuses outputs split on the sorted dimension; its gradient "
         "scatters by global positions",
     ),

@@ -16,7 +16,7 @@ Keras' `add`, which adds a conv layer's bias, is lowered too (see `add`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 from keras.src.backend import standardize_data_format
@@ -328,17 +328,17 @@ def _bias_size(x1: tf.Tensor, x2: tf.Tensor) -> int | None:
     return sizes[0] if sizes[0] in (x1.shape.as_list()[1], x1.shape.as_list()[-1]) else None
 
 
-def _lowering(name: str, why: str) -> Lowering:
-    return Lowering(_KERAS_NN, name, f"{__name__}:{name}", why)
+def _lowering(function: Callable, why: str) -> Lowering:
+    return Lowering(_KERAS_NN, function.__name__, function, why)
 
 
 LOWERINGS: tuple[Lowering, ...] = (
     Lowering(
         "keras.src.backend.tensorflow.numpy",
         "add",
-        f"{__name__}:add",
+        add,
         "a conv bias's Squeeze, split like the sum but not the bias; rank-3 NCHW BiasAdd",
     ),
-    _lowering("conv", "Conv refuses a split kernel or split input channels"),
-    _lowering("conv_transpose", "Conv2DBackpropInput takes batch-parallel layouts only"),
+    _lowering(conv, "Conv refuses a split kernel or split input channels"),
+    _lowering(conv_transpose, "Conv2DBackpropInput takes batch-parallel layouts only"),
 )

@@ -48,7 +48,7 @@ LOWERINGS = (
     Lowering(
         _KERAS_NUMPY,
         "clip",
-        f"{__name__}:clip",
+        clip,
         "clip_by_value's gradient fills zeros of a shape read in the step",
     ),
 )

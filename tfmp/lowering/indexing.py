@@ -42,6 +42,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfmp.forward import forward_mesh
+from tfmp.integrations import Patch
 from tfmp.lowering.registry import Lowering, keras_original
 
 _KERAS_NN = "keras.src.backend.tensorflow.nn"
@@ -111,19 +112,19 @@ LOWERINGS = (
     Lowering(
         _KERAS_NN,
         "one_hot",
-        "tfmp.lowering.indexing:one_hot",
+        one_hot,
         "DTensor's OneHot expansion fails when the class dimension is split",
     ),
     Lowering(
         _KERAS_MATH,
         "top_k",
-        "tfmp.lowering.indexing:top_k",
+        top_k,
         "TopKV2's gradient scatters by global positions into a split input",
     ),
     Lowering(
         _KERAS_NUMPY,
         "take",
-        "tfmp.lowering.indexing:take",
+        take,
         "GatherV2's expansion refuses an output split unlike the table",
     ),
 )
@@ -195,3 +196,31 @@ def gather_with_batch_dims_from_the_front(gather: Callable) -> Callable:
         )
 
     return wrapper
+
+# TensorFlow functions patched with this family's code while a strategy exists.
+PATCHES = (
+    Patch(
+        "tensorflow",
+        "gather_nd",
+        gather_nd_on_index_lists,
+        "Indices of rank 7 (SAM3's ROI align) crash the process in the "
+        "gradient of the step's gather on a mesh.",
+        parameters=("params", "indices", "batch_dims", "name"),
+    ),
+    Patch(
+        "tensorflow",
+        "gather",
+        gather_with_batch_dims_from_the_front,
+        "A negative batch_dims crashes the process when DTensor expands "
+        "the step's gather.",
+        parameters=("params", "indices", "validate_indices", "axis", "batch_dims", "name"),
+    ),
+    Patch(
+        "tensorflow",
+        "one_hot",
+        one_hot_by_comparison,
+        "DTensor's OneHot expansion fails when layout propagation splits the "
+        "class dimension (a one-hot mask multiplied with a split activation).",
+        parameters=("indices", "depth", "on_value", "off_value", "axis", "dtype", "name"),
+    ),
+)

@@ -47,6 +47,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.ops import array_ops
 
 from tfmp.forward import forward_mesh
+from tfmp.integrations import Patch
 
 
 def concat_kept_whole_on_axis(concat: Callable) -> Callable:
@@ -171,3 +172,32 @@ def _static_axis(values: Any, axis: Any, extra_dimension: bool) -> int | None:
         return None
     rank = ranks.pop() + (1 if extra_dimension else 0)
     return int(axis_value) % rank if rank else None
+
+# TensorFlow functions patched with this family's code while a strategy exists.
+PATCHES = (
+    Patch(
+        "tensorflow",
+        "concat",
+        concat_kept_whole_on_axis,
+        "DTensor concatenates shards when layout propagation splits the "
+        "joined dimension: wrong values silently for axis=-1 "
+        "(keras.layers.Concatenate before a row-parallel Dense).",
+        parameters=("values", "axis", "name"),
+    ),
+    Patch(
+        "tensorflow",
+        "stack",
+        stack_kept_whole_on_axis,
+        "DTensor's Pack gives shards of the wrong size when layout "
+        "propagation splits the new dimension (a loop over the batch).",
+        parameters=("values", "axis", "name"),
+    ),
+    Patch(
+        "tensorflow",
+        "unstack",
+        unstack_whole_axis,
+        "DTensor's Unpack gives shards of the wrong size when the unstacked "
+        "dimension is split (SAM3's box coordinates).",
+        parameters=("value", "num", "axis", "name"),
+    ),
+)

@@ -88,7 +88,7 @@ def _stacked(outputs: list[Any]) -> Any:
 _TENSOR_LISTS = "tf.while_loop over TensorArrays: TensorList ops have no DTensor layout propagation"
 
 LOWERINGS = (
-    Lowering(_KERAS_CORE, "fori_loop", f"{__name__}:fori_loop", _TENSOR_LISTS),
-    Lowering(_KERAS_CORE, "scan", f"{__name__}:scan", _TENSOR_LISTS),
-    Lowering(_KERAS_CORE, "map", f"{__name__}:map", _TENSOR_LISTS),
+    Lowering(_KERAS_CORE, "fori_loop", fori_loop, _TENSOR_LISTS),
+    Lowering(_KERAS_CORE, "scan", scan, _TENSOR_LISTS),
+    Lowering(_KERAS_CORE, "map", map, _TENSOR_LISTS),
 )

@@ -104,7 +104,7 @@ LOWERINGS: tuple[Lowering, ...] = (
     Lowering(
         "keras.src.backend.tensorflow.nn",
         "max_pool",
-        f"{__name__}:max_pool",
+        max_pool,
         "MaxPool expands a batch split only: channels split by a conv's filters fail",
     ),
 )

@@ -55,6 +55,7 @@ from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import gen_stateless_random_ops_v2 as stateless_v2
 
 from tfmp.forward import MicrobatchedStep, forward_mesh, microbatched_step
+from tfmp.integrations import Patch
 from tfmp.layout import replicated
 from tfmp.lowering.registry import Lowering, keras_original
 
@@ -257,11 +258,11 @@ _REPLICATED_DRAW = (
 )
 
 LOWERINGS: tuple[Lowering, ...] = tuple(
-    Lowering(_MODULE, name, f"{__name__}:{name}", _SPLIT_DRAW)
-    for name in ("normal", "uniform", "truncated_normal", "randint", "dropout")
+    Lowering(_MODULE, draw.__name__, draw, _SPLIT_DRAW)
+    for draw in (normal, uniform, truncated_normal, randint, dropout)
 ) + tuple(
-    Lowering(_MODULE, name, f"{__name__}:{name}", _REPLICATED_DRAW)
-    for name in ("gamma", "binomial", "beta", "categorical")
+    Lowering(_MODULE, draw.__name__, draw, _REPLICATED_DRAW)
+    for draw in (gamma, binomial, beta, categorical)
 )
 
 
@@ -510,3 +511,59 @@ def replicated_poisson_on_mesh(kernel: Callable) -> Callable:
         return _replicated(drawn, mesh)
 
     return wrapper
+
+# TensorFlow functions patched with this family's code while a strategy exists.
+PATCHES = (
+    *(
+        Patch(
+            "tensorflow.python.ops.gen_random_ops",
+            kernel,
+            wrapper,
+            "DTensor refuses stateful random ops (tf.random.normal in a VAE's "
+            "sampling layer, a GAN's latent vectors in its train_step): on a "
+            f"mesh they draw from stateless ops, {matching}.",
+            parameters=parameters,
+        )
+        for kernel, wrapper, matching, parameters in (
+            *(
+                (
+                    kernel,
+                    stateless_on_mesh,
+                    "the numbers one device draws",
+                    ("shape", "dtype", "seed", "seed2", "name"),
+                )
+                for kernel in ("random_standard_normal", "random_uniform", "truncated_normal")
+            ),
+            (
+                "random_uniform_int",
+                stateless_int_on_mesh,
+                "the numbers one device draws",
+                ("shape", "minval", "maxval", "seed", "seed2", "name"),
+            ),
+            (
+                "random_gamma",
+                stateless_gamma_on_mesh,
+                "the numbers one device draws",
+                ("shape", "alpha", "seed", "seed2", "name"),
+            ),
+            (
+                "random_poisson_v2",
+                replicated_poisson_on_mesh,
+                "the same numbers on every device, like one device's in distribution",
+                ("shape", "rate", "seed", "seed2", "dtype", "name"),
+            ),
+            (
+                "random_shuffle",
+                shuffled_on_mesh,
+                "a permutation like one device's in distribution",
+                ("value", "seed", "seed2", "name"),
+            ),
+            (
+                "multinomial",
+                gumbel_categorical_on_mesh,
+                "samples like one device's in distribution",
+                ("logits", "num_samples", "seed", "seed2", "output_dtype", "name"),
+            ),
+        )
+    ),
+)

@@ -77,7 +77,7 @@ LOWERINGS = (
     Lowering(
         _KERAS_NUMPY,
         "mean",
-        f"{__name__}:mean",
+        mean,
         "reduce_mean's gradient Tile mis-expands when the kept dimensions are split",
     ),
 )

@@ -1,4 +1,4 @@
-"""The table of lowerings, and installing them once per process."""
+"""`Lowering`, the declaration of one rewritten Keras backend function."""
 
 from __future__ import annotations
 
@@ -18,18 +18,18 @@ class Lowering(integrations.Patch):
 
     Declared positionally as `Lowering(target, attribute, wrapper, why)`:
     the module that holds the function (e.g.
-    `"keras.src.backend.tensorflow.nn"`), its name, the
-    `"package.module:function"` that takes the same arguments and runs
-    instead while a forward pass is traced on a mesh, and what DTensor
+    `"keras.src.backend.tensorflow.nn"`), its name, the tfmp function that
+    takes the same arguments and runs instead while a forward pass is traced
+    on a mesh, and what DTensor
     refuses in Keras' own version; `since` names the first release that has
     the function when the oldest tested one lacks it.
 
     Examples:
-        >>> from tfmp.lowering import Lowering
+        >>> from tfmp.lowering import Lowering, rnn
         >>> lowering = Lowering(
         ...     "keras.src.backend.tensorflow.numpy",
-        ...     "flip",
-        ...     "tfmp.lowering.rnn:flip",
+        ...     "split",
+        ...     rnn.split,
         ...     "ReverseV2 has no DTensor layout propagation",
         ... )
         >>> lowering.kind, lowering.package
@@ -38,48 +38,10 @@ class Lowering(integrations.Patch):
 
     kind: str = "lowering"
 
-    def apply(self) -> None:
-        """Wraps the target: tfmp's version while a forward pass is traced
-        on a mesh, Keras' own otherwise."""
-        setattr(self.owner(), self.attribute, _on_mesh_only(self.original(), self.wrapper_function()))
-
-
-# Each module holds the lowerings of one op family, as a tuple `LOWERINGS`.
-_FAMILIES = (
-    "tfmp.lowering.conv",
-    "tfmp.lowering.rnn",
-    "tfmp.lowering.random",
-    "tfmp.lowering.indexing",
-    "tfmp.lowering.image",
-    "tfmp.lowering.pooling",
-    "tfmp.lowering.reduction",
-    "tfmp.lowering.elementwise",
-    "tfmp.lowering.arrays",
-    "tfmp.lowering.loops",
-    "tfmp.lowering.replicated",
-)
-
-
-def families() -> list[Any]:
-    """The family modules, each with its `LOWERINGS`."""
-    return [importlib.import_module(family) for family in _FAMILIES]
-
-
-def lowerings() -> tuple[Lowering, ...]:
-    """Every lowering, family by family."""
-    return tuple(lowering for family in families() for lowering in family.LOWERINGS)
-
-_installed = False
-
-
-def install() -> None:
-    """Applies every lowering of the installed libraries, once."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    for lowering in filter(Lowering.in_installed_library, lowerings()):
-        lowering.apply()
+    def replacement(self, original: Callable) -> Callable:
+        """tfmp's version while a forward pass is traced on a mesh, Keras'
+        own otherwise."""
+        return _on_mesh_only(original, self.wrapper)
 
 
 def keras_original(module: str, name: str) -> Callable:

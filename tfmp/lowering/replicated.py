@@ -109,14 +109,7 @@ _FUNCTIONS = (
     (_KERAS_NN, "separable_conv", "DepthwiseConv2dNativeBackpropFilter", _DEPTHWISE, "3.12"),
 )
 
-(
-    roll, flip, fliplr, flipud, affine_transform, perspective_transform, average_pool, depthwise_conv,
-    separable_conv,
-) = (
-    gathered_first(module, name, op) for module, name, op, _, _ in _FUNCTIONS
-)
-
 LOWERINGS = tuple(
-    Lowering(module, name, f"{__name__}:{name}", f"{op} {why}", since=since)
+    Lowering(module, name, gathered_first(module, name, op), f"{op} {why}", since=since)
     for module, name, op, why, since in _FUNCTIONS
 )

@@ -32,13 +32,13 @@ from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.tensorflow.core import convert_to_tensor
 
 from tfmp.forward import forward_mesh
+from tfmp.integrations import Patch
 from tfmp.lowering.registry import Lowering, keras_original
 from tfmp.lowering.rnn_loop import looped_rnn
 
 _BACKEND = "keras.src.backend"
 _KERAS_RNN = "keras.src.backend.tensorflow.rnn"
 _NUMPY = "keras.src.backend.tensorflow.numpy"
-_HERE = "tfmp.lowering.rnn"
 
 
 def rnn(
@@ -245,15 +245,27 @@ LOWERINGS: tuple[Lowering, ...] = (
     Lowering(
         _NUMPY,
         "split",
-        f"{_HERE}:split",
+        split,
         "Split refuses a dimension split over the mesh (an LSTM/GRU's gates on \"model\")",
     ),
     Lowering(
         _BACKEND,
         "rnn",
-        f"{_HERE}:rnn",
+        rnn,
         "tf.while_loop over TensorArrays: TensorList ops have no DTensor layout propagation",
     ),
-    Lowering(_BACKEND, "lstm", f"{_HERE}:generic_recurrence", "cuDNN's CudnnRNNV3 on a GPU"),
-    Lowering(_BACKEND, "gru", f"{_HERE}:generic_recurrence", "cuDNN's CudnnRNNV3 on a GPU"),
+    Lowering(_BACKEND, "lstm", generic_recurrence, "cuDNN's CudnnRNNV3 on a GPU"),
+    Lowering(_BACKEND, "gru", generic_recurrence, "cuDNN's CudnnRNNV3 on a GPU"),
+)
+
+# TensorFlow functions patched with this family's code while a strategy exists.
+PATCHES = (
+    Patch(
+        "tensorflow.python.ops.tensor_array_ops:TensorArray",
+        "__init__",
+        list_backed_tensor_arrays,
+        "A TensorArray filled in a Python loop (RWKV-7) runs TensorList ops, "
+        "which DTensor cannot lay out.",
+        parameters=("dtype", "size", "dynamic_size", "handle", "flow"),
+    ),
 )

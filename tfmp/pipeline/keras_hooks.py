@@ -1,6 +1,6 @@
 """Where the pipeline meets Keras' trainer: a pipeline model's steps.
 
-`tfmp.integrations.keras` declares `pipelined` as the wrapper of Keras'
+This module declares `pipelined` as the wrapper of Keras'
 `train_step` and `test_step`: a model under a strategy whose mesh has a
 `"stage"` axis runs them stage by stage (`tfmp.pipeline.steps`); any other
 model runs Keras' own.
@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from tfmp import integrations
+from tfmp.integrations import Patch
 from tfmp.pipeline import steps
 from tfmp.pipeline.strategy_hooks import PipelineStages
 from tfmp.strategy.extended import extended_of
@@ -39,3 +41,18 @@ def pipelined(step: Callable) -> Callable:
         return getattr(steps, step.__name__)(self, data)
 
     return wrapper
+
+
+integrations.declare(
+    __name__,
+    (
+        Patch(
+            "keras.src.backend.tensorflow.trainer:TensorFlowTrainer",
+            name,
+            pipelined,
+            "A pipeline model's steps run stage by stage.",
+            parameters=("data",),
+        )
+        for name in ("train_step", "test_step")
+    ),
+)

@@ -15,7 +15,6 @@ A Keras variable records the stage it belongs to (`stage_of`), which a
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Iterator
 
 import tensorflow as tf
@@ -23,9 +22,8 @@ from tensorflow.experimental import dtensor
 
 from tfmp.layout import replicated
 from tfmp.mesh import DeviceMesh
-
-_current = threading.local()
-
+from tfmp.state import VariableState, known_state, state_of
+from tfmp.tracing import context, scoped
 
 class StageMeshes:
     """The sub-mesh of each pipeline stage of a mesh with a stage axis.
@@ -56,34 +54,24 @@ class StageMeshes:
         return self.meshes[-1]
 
 
-@contextlib.contextmanager
-def _current_set(name: str, value: Any) -> Iterator[None]:
-    """Sets this thread's `name` for the block, then restores it."""
-    previous = getattr(_current, name, None)
-    setattr(_current, name, value)
-    try:
-        yield
-    finally:
-        setattr(_current, name, previous)
-
-
 def building_stage(stage: int) -> contextlib.AbstractContextManager:
     """Variables created in the block belong to pipeline stage `stage`."""
-    return _current_set("stage", stage)
+    return scoped(building_stage=stage)
 
 
 def current_stage() -> int | None:
     """The stage whose variables are being created, if any."""
-    return getattr(_current, "stage", None)
+    return context.building_stage
 
 
 def stage_of(keras_variable: Any) -> int | None:
     """The stage recorded on a Keras variable, if any."""
-    return getattr(keras_variable, "_tfmp_stage", None)
+    state = known_state(keras_variable, VariableState)
+    return None if state is None else state.stage
 
 
 def record_stage(keras_variable: Any, stage: int) -> None:
-    keras_variable._tfmp_stage = stage  # noqa: SLF001
+    state_of(keras_variable, VariableState).stage = stage
 
 
 def move_variables_to_stage(strategy: tf.distribute.Strategy, variables: Any, stage: int) -> None:
@@ -123,13 +111,13 @@ def scalars_on_stages(copies: list[tuple[Any, list[tf.Tensor]]]) -> contextlib.A
     Args:
         copies: (Keras variable, its value on each stage's mesh) pairs.
     """
-    return _current_set("scalar_copies", copies)
+    return scoped(stage_scalar_copies=copies)
 
 
 @contextlib.contextmanager
 def stage_scalars(stage: int) -> Iterator[None]:
     """Makes the Keras variables given to `scalars_on_stages` read on `stage`."""
-    copies = getattr(_current, "scalar_copies", None) or []
+    copies = context.stage_scalar_copies
     saved = [(variable, variable._value) for variable, _ in copies]  # noqa: SLF001
     try:
         for variable, values in copies:

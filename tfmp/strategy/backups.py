@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from tfmp import distributed
+from tfmp.state import BackupState, state_of
 from tfmp.strategy import atomic_files, epoch_iterator
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.preemption import PREEMPTED_EXIT_CODE, notice
@@ -91,7 +92,7 @@ def newest_complete_load(load_model: Callable) -> Callable:
 
     @functools.wraps(load_model)
     def wrapper(self):
-        self._tfmp_resume = None
+        state_of(self, BackupState).resume = None
         if not _is_local(self.backup_dir) or not os.path.isdir(self.backup_dir):
             return load_model(self)
         if _is_chief():
@@ -136,7 +137,7 @@ def armed_for_preemption(on_train_begin: Callable) -> Callable:
     @functools.wraps(on_train_begin)
     def wrapper(self, logs=None):
         on_train_begin(self, logs)
-        resume = getattr(self, "_tfmp_resume", None)
+        resume = state_of(self, BackupState).resume
         if resume is not None:
             _check_same_batches(resume, (self.params or {}).get("steps"), self.backup_dir)
         epoch_iterator.skip_in_next_epoch(resume["batches_done"] if resume else 0)
@@ -170,9 +171,10 @@ def resumed_epoch_begin(on_epoch_begin: Callable) -> Callable:
     @functools.wraps(on_epoch_begin)
     def wrapper(self, epoch, logs=None):
         self._current_epoch = epoch
-        resume = getattr(self, "_tfmp_resume", None)
+        state = state_of(self, BackupState)
+        resume = state.resume
         if resume is not None:
-            self._tfmp_resume = None
+            state.resume = None
             _assign_metrics(self.model, resume["metrics"])
         return on_epoch_begin(self, epoch, logs)
 
@@ -185,14 +187,15 @@ def saved_on_preemption(on_train_batch_end: Callable) -> Callable:
 
     @functools.wraps(on_train_batch_end)
     def wrapper(self, batch, logs=None):
-        self._tfmp_batches_done = batch + 1
+        state = state_of(self, BackupState)
+        state.batches_done = batch + 1
         try:
             if notice.agreed(_mesh_of(self.model)):
                 self._save_model()
                 _exit_preempted(self, batch)
             return on_train_batch_end(self, batch, logs)
         finally:
-            self._tfmp_batches_done = None
+            state.batches_done = None
 
     return wrapper
 
@@ -217,7 +220,7 @@ def _mesh_of(model: Any) -> Any:
 def _progress(callback: Any) -> dict[str, Any] | None:
     """How far into the epoch a backup taken at a batch end is, and the
     metric totals there; None at an epoch end."""
-    batches_done = getattr(callback, "_tfmp_batches_done", None)
+    batches_done = state_of(callback, BackupState).batches_done
     if batches_done is None:
         return None
     return {
@@ -244,7 +247,7 @@ def _restore_progress(callback: Any, metadata_path: str) -> None:
         progress = json.load(file).get(PROGRESS_KEY)
     if progress is None:
         return
-    callback._tfmp_resume = progress
+    state_of(callback, BackupState).resume = progress
     # Keras counts batches since its last backup from here.
     callback._last_batch_seen = progress["batches_done"] - 1
     callback._batches_seen_since_last_saving = 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
@@ -35,15 +34,14 @@ import tensorflow as tf
 from tfmp.integrations.internals import EpochIterator
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.input import MeshDataset, OnDemandDataset
+from tfmp.tracing import context, scoped
 
-_state = threading.local()
-_UNSET = object()
 
 
 def skip_in_next_epoch(batches: int) -> None:
     """The next epoch any training pass opens starts after `batches` batches
     (0: at its first); `BackupAndRestore` sets it when it restores."""
-    _state.skip = batches
+    context.skip_in_next_epoch = batches
 
 
 class ResumesMidEpoch:
@@ -52,9 +50,9 @@ class ResumesMidEpoch:
 
     def __iter__(self) -> Any:
         iterator = super().__iter__()
-        skip = getattr(_state, "skip", 0)
+        skip = context.skip_in_next_epoch
         if skip and self._epoch_iterator is not None:
-            _state.skip = 0
+            context.skip_in_next_epoch = 0
             self._epoch_iterator = _after(self._epoch_iterator, skip)
         return iterator
 
@@ -80,17 +78,11 @@ def _after(steps: Iterator[tuple[int, int, Any]], skip: int) -> Iterator[tuple[i
         yield begin, end, iterator
 
 
-@contextlib.contextmanager
-def build_pass_expected() -> Iterator[None]:
+def build_pass_expected() -> contextlib.AbstractContextManager:
     """Keras' `fit` or `evaluate` of a tfmp model runs in the block: the next
     pass over one of its epoch iterators, until a `reset()`, is the symbolic
     build's."""
-    previous = getattr(_state, "build_pass", False)
-    _state.build_pass = True
-    try:
-        yield
-    finally:
-        _state.build_pass = previous
+    return scoped(build_pass_expected=True)
 
 
 class ReadOnceEpochs:
@@ -116,9 +108,9 @@ class ReadOnceEpochs:
             )
 
     def __iter__(self) -> Any:
-        if not getattr(_state, "build_pass", False):
+        if not context.build_pass_expected:
             return super().__iter__()
-        _state.build_pass = False
+        context.build_pass_expected = False
         self._epoch_iterator = iter([(0, self.steps_per_execution - 1, iter([self._element_spec]))])
         return self
 
@@ -126,18 +118,14 @@ class ReadOnceEpochs:
     def catch_stop_iteration(self) -> Iterator[None]:
         # Keras runs every step of the epoch in this block.
         first = tf.nest.flatten(self._element_spec)[0]
-        previous = getattr(_state, "spec_rows", _UNSET)
-        _state.spec_rows = first.shape[0] if first.shape.rank else None
-        try:
+        with scoped(unknown_batch_rows=bool(first.shape.rank) and first.shape[0] is None):
             with super().catch_stop_iteration():
                 yield
-        finally:
-            _state.spec_rows = previous
 
     def reset(self) -> None:
         # Keras resets right after its symbolic build, whether or not the
         # build made a pass.
-        _state.build_pass = False
+        context.build_pass_expected = False
         super().reset()
 
 
@@ -170,8 +158,7 @@ def loss_trackers_weighted_as_on_one_device(call: Callable) -> Callable:
 
     @functools.wraps(call)
     def wrapper(self, y_true, y_pred, sample_weight=None):
-        rows = getattr(_state, "spec_rows", _UNSET)
-        if rows is not None or tf.executing_eagerly():
+        if not context.unknown_batch_rows or tf.executing_eagerly():
             return call(self, y_true, y_pred, sample_weight)
         if not self.built:
             self.build(y_true, y_pred)

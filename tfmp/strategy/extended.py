@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -18,6 +17,7 @@ from tfmp.integrations.internals import distribute_lib
 from tfmp.layout import LayoutMap, declared_layout, explicit_layout, replicated
 from tfmp.layout_decision import decide_layout
 from tfmp.mesh import DeviceMesh
+from tfmp.state import ModelState, state_of
 from tfmp.strategy import agreement
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
@@ -229,8 +229,10 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         """
         optimizers = _optimizers_of(model)
         compiled = (*optimizers, *model.metrics)
-        adopted = model.__dict__.get("_tfmp_adopted", ())
-        if len(adopted) == len(compiled) and all(map(operator.is_, adopted, compiled)):
+        state = state_of(model, ModelState)
+        if len(state.adopted) == len(compiled) and all(
+            kept() is part for kept, part in zip(state.adopted, compiled)
+        ):
             return
         strategy = self._container_strategy()
         parts = [*optimizers, *(getattr(o, "inner_optimizer", None) for o in optimizers)]
@@ -253,7 +255,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 self.move_variable(
                     variable, dtensor.Layout.replicated(mesh, len(variable.shape)), gathered=()
                 )
-        object.__setattr__(model, "_tfmp_adopted", compiled)
+        state.adopted = tuple(map(weakref.ref, compiled))
 
     @contextlib.contextmanager
     def feeding(self, trains: bool) -> Iterator[None]:
@@ -290,7 +292,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
                 "scope) and no optimizer may have made its variables yet (build "
                 "or load it in `with strategy.scope():`)."
             )
-        object.__setattr__(model, "_tfmp_auto_planned", True)
+        state_of(model, ModelState).auto_planned = True
         plan = auto_layout(model, self.mesh, self.auto_axis)
         for variable in model.variables:
             planned = plan.match(variable.path)
@@ -461,7 +463,7 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _is_planned(self, model: Any) -> bool:
         """Whether `layout_map="auto"` has laid out `model`, or all its
         variables as another model's (a Sequential's inner functional model)."""
-        return model.__dict__.get("_tfmp_auto_planned", False) or (
+        return state_of(model, ModelState).auto_planned or (
             bool(model.variables) and all(v.value.ref() in self._planned_values for v in model.variables)
         )
 

@@ -14,6 +14,7 @@ from typing import Any
 
 
 from tfmp.integrations.internals import eager_context as context
+from tfmp.state import ModelState, state_of
 from tfmp.strategy.replicated_ops import note_replicated_ops
 
 # Batches fed with collection on: the first step runs on one of the first
@@ -78,9 +79,7 @@ def is_train_step(function_graph: Any) -> bool:
 
 def first_step_graphs_of(model: Any) -> FirstStepGraphs:
     """The graphs kept for `model` (created empty the first time)."""
-    graphs = model.__dict__.get("_tfmp_first_step_graphs")
-    if graphs is None:
-        graphs = FirstStepGraphs()
-        # Set past Keras' attribute tracking: this is no part of the model.
-        object.__setattr__(model, "_tfmp_first_step_graphs", graphs)
-    return graphs
+    state = state_of(model, ModelState)
+    if state.first_step_graphs is None:
+        state.first_step_graphs = FirstStepGraphs()
+    return state.first_step_graphs

@@ -17,7 +17,7 @@ model's `train_step` and `test_step` are the pipeline's
 (`tfmp.pipeline.keras_hooks`). A model with no `call()` of its own (a GAN
 with its own `train_step`) skips Keras' symbolic build, as it does without a
 strategy (`built_without_call`). Which Keras attribute each wrapper replaces
-is declared in `tfmp.integrations.keras`. One more meets TensorFlow: a host tensor
+is declared in `tfmp.strategy.patches`. One more meets TensorFlow: a host tensor
 a step captures (a constant the model holds) reaches the mesh
 (`mesh_captures`).
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import threading
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -40,17 +39,18 @@ from tfmp.forward import forward_mesh, forward_on
 from tfmp.integrations.internals import data_adapter_utils
 from tfmp.integrations.internals import tf_dtypes as dtypes
 from tfmp.integrations.internals import tf_ops as ops
+from tfmp.state import ModelState, state_of
 from tfmp.strategy import errors, peer_errors
 from tfmp.strategy.epoch_iterator import build_pass_expected
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.first_step_note import with_first_step_note
 from tfmp.strategy.placement import BatchPlacer, replicate
-from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.step_errors import with_step_errors
+from tfmp.strategy.variable import MeshVariable
 from tfmp.strategy.variable_layout import creating
 from tfmp.strategy.watchdog import watch_custom_loop_steps, watched_call, with_step_watch
+from tfmp.tracing import context, scoped
 
-_state = threading.local()
 _VALUE_DTYPES = dtypes.TF_VALUE_DTYPES
 # Per graph being traced: the host tensors it captured, by id and mesh.
 _host_captures: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -194,7 +194,7 @@ def eager_call(layer_call: Callable) -> Callable:
         if not tf.executing_eagerly():
             with forward_on(_forward_mesh_of(self)):
                 return layer_call(self, *args, **kwargs)
-        if getattr(_state, "inside", False):
+        if context.eager_mesh_call:
             return layer_call(self, *args, **kwargs)
         # Asked first: a layer outside any tfmp mesh answers fastest.
         placer = placer_for(self)
@@ -202,13 +202,10 @@ def eager_call(layer_call: Callable) -> Callable:
         # Keras, eagerly (Python control flow on its inputs' values works).
         if placer is None or not _has_host_array((args, kwargs)) or not self.weights:
             return layer_call(self, *args, **kwargs)
-        _state.inside = True
-        try:
+        with scoped(eager_mesh_call=True):
             args, kwargs = placer.place((args, kwargs))
             with forward_on(placer.mesh):
                 outputs = _mesh_function(self, layer_call)(*args, **kwargs)
-        finally:
-            _state.inside = False
         return tf.nest.map_structure(
             lambda t: replicate(t) if isinstance(t, tf.Tensor) else t, outputs
         )
@@ -247,14 +244,14 @@ def _mesh_function(layer: Any, layer_call: Callable) -> Callable:
     ranges); eager DTensor refuses those next to mesh tensors, while inside a
     function DTensor lays them out like any other value.
     """
-    function = layer.__dict__.get("_tfmp_mesh_call")
-    if function is None:
-        function = tf.function(
-            functools.partial(layer_call, layer), reduce_retracing=True
+    state = state_of(layer, ModelState)
+    if state.eager_mesh_call is None:
+        # Through a weak reference: the state must not keep its layer alive.
+        layer_ref = weakref.ref(layer)
+        state.eager_mesh_call = tf.function(
+            lambda *args, **kwargs: layer_call(layer_ref(), *args, **kwargs), reduce_retracing=True
         )
-        # Set past Keras' attribute tracking: this is no part of the model.
-        object.__setattr__(layer, "_tfmp_mesh_call", function)
-    return function
+    return state.eager_mesh_call
 
 
 def on_batch(method: Callable) -> Callable:

@@ -15,7 +15,7 @@ verified and all-or-nothing.
   "File not found").
 
 Which Keras attribute each wrapper replaces is declared in
-`tfmp.integrations.keras`.
+`tfmp.strategy.patches`.
 """
 
 from __future__ import annotations

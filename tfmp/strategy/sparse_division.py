@@ -41,32 +41,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfmp.layout import replicated
+from tfmp.tracing import context, scoped
 
-_update = threading.local()
 
-
-@contextlib.contextmanager
-def sparse_update_on(mesh: dtensor.Mesh) -> Iterator[None]:
+def sparse_update_on(mesh: dtensor.Mesh) -> contextlib.AbstractContextManager:
     """A variable of `mesh` is updated with a sparse gradient in the block."""
-    previous = getattr(_update, "mesh", None), getattr(_update, "divided", False)
-    _update.mesh, _update.divided = mesh, False
-    try:
-        yield
-    finally:
-        _update.mesh, _update.divided = previous
+    return scoped(sparse_update_mesh=mesh, sparse_divided=False)
 
 
 def _sparse_update_mesh() -> dtensor.Mesh | None:
     if tf.executing_eagerly():
         return None
-    return getattr(_update, "mesh", None)
+    return context.sparse_update_mesh
 
 
 def _whole(value: tf.Tensor, mesh: dtensor.Mesh) -> tf.Tensor:
@@ -88,7 +80,7 @@ def whole_sparse_division(divide: Callable) -> Callable:
             tf.IndexedSlices(_whole(x1.values, mesh), _whole(x1.indices, mesh), x1.dense_shape),
             _whole(x2, mesh),
         )
-        _update.divided = True
+        context.sparse_divided = True
         if isinstance(quotient, tf.IndexedSlices):
             return tf.IndexedSlices(
                 _whole(quotient.values, mesh), _whole(quotient.indices, mesh), x1.dense_shape
@@ -111,7 +103,7 @@ def whole_rows_segment_sum(segment_sum: Callable) -> Callable:
     @functools.wraps(segment_sum)
     def wrapper(data: Any, segment_ids: Any, num_segments: Any, name: str | None = None) -> Any:
         mesh = _sparse_update_mesh()
-        if mesh is None or not _update.divided or not _has_unknown_rows(data):
+        if mesh is None or not context.sparse_divided or not _has_unknown_rows(data):
             return segment_sum(data, segment_ids, num_segments, name=name)
         total = segment_sum(_whole(data, mesh), _whole(segment_ids, mesh), num_segments, name=name)
         return _whole(total, mesh)

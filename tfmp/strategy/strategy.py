@@ -121,7 +121,8 @@ class ModelParallelStrategy(tf.distribute.Strategy):
                 fully_shard=fully_shard,
             )
         )
-        integrations.install()
+        # The patches stay in while a strategy exists.
+        integrations.install(self)
 
     @classmethod
     def from_keras(cls, distribution: Any, **kwargs: Any) -> "ModelParallelStrategy":

@@ -5,20 +5,16 @@ Keras variable is being created, and the DTensor layout of what
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any, Iterator
+from typing import Any
 
 from tensorflow.experimental import dtensor
 
 from tfmp.layout import layout_axes
 from tfmp.layout_decision import LayoutDecision
 from tfmp.mesh import DeviceMesh
+from tfmp.tracing import context, scoped
 
-_creating = threading.local()
-
-
-@contextlib.contextmanager
-def creating(keras_variable: Any) -> Iterator[None]:
+def creating(keras_variable: Any) -> contextlib.AbstractContextManager:
     """The backing `tf.Variable` of `keras_variable` is created in the block.
 
     Keras 3's TensorFlow `Variable._initialize` runs in this block (installed
@@ -26,17 +22,12 @@ def creating(keras_variable: Any) -> Iterator[None]:
     its path and its layer's declaration, also when Keras deferred the
     creation past the layer's name scope.
     """
-    previous = getattr(_creating, "variable", None)
-    _creating.variable = keras_variable
-    try:
-        yield
-    finally:
-        _creating.variable = previous
+    return scoped(creating_variable=keras_variable)
 
 
 def keras_variable_being_created() -> Any:
     """The Keras variable whose `tf.Variable` is being created, or None."""
-    return getattr(_creating, "variable", None)
+    return context.creating_variable
 
 
 def mesh_axes(mesh: DeviceMesh) -> dict[str, int]:
