@@ -46,7 +46,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
 from tfmp.forward import forward_on  # noqa: E402
-from tfmp.lowering import registry  # noqa: E402
+from tfmp.lowering import lowerings, registry  # noqa: E402
 from tfmp.lowering.replicated import gathered_first  # noqa: E402
 
 U = dtensor.UNSHARDED
@@ -104,11 +104,11 @@ def _functions(case: dict) -> dict:
     raw = registry.keras_original(module, name)
     # The raw op traced again: the spread of two timings of one thing.
     ways = {"raw": raw, "raw again": raw, "gathered": gathered_first(module, name, case["name"].split()[0])}
-    for lowering in registry.lowerings():
-        if (lowering.target, lowering.attribute) == (module, name) and lowering.wrapper.split(":")[0] != (
+    for lowering in lowerings():
+        if (lowering.target, lowering.attribute) == (module, name) and lowering.wrapper.__module__ != (
             "tfmp.lowering.replicated"
         ):
-            ways["rewrite"] = lowering.wrapper_function()
+            ways["rewrite"] = lowering.wrapper
     return ways
 
 
@@ -169,7 +169,8 @@ def main() -> None:
     if options.quick:
         options.calls = 3
     mesh = tfmp.DeviceMesh((2, 4), ("batch", "model")).dtensor_mesh
-    registry.install()
+    # The lowerings are in while a strategy lives.
+    strategy = tfmp.ModelParallelStrategy(tfmp.DeviceMesh((2, 4), ("batch", "model")))  # noqa: F841
     rng = np.random.default_rng(0)
     for case in _cases(rng):
         if options.only not in case["name"]:
@@ -214,9 +215,9 @@ def main() -> None:
 def _tfmp_way(case: dict) -> str:
     """The way tfmp runs the case's function: its registered lowering, else raw."""
     module = f"keras.src.backend.tensorflow.{case['fn'][0]}"
-    for lowering in registry.lowerings():
+    for lowering in lowerings():
         if (lowering.target, lowering.attribute) == (module, case["fn"][1]):
-            return "gathered" if lowering.wrapper.startswith("tfmp.lowering.replicated") else "rewrite"
+            return "gathered" if lowering.wrapper.__module__ == "tfmp.lowering.replicated" else "rewrite"
     return "raw"
 
 

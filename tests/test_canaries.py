@@ -55,7 +55,11 @@ def workarounds() -> set[str]:
     """Every lowering, integration patch of TensorFlow and replicated op, by
     the names the probes use."""
     lowered = {f"{lowering.target.rsplit('.', 1)[-1]}.{lowering.attribute}" for lowering in lowerings()}
-    patches = {f"tf.{d.patch.attribute}" for d in integrations.declarations() if d.patch.package == "tensorflow"}
+    patches = {
+        f"tf.{d.patch.attribute}"
+        for d in integrations.declarations()
+        if d.patch.package == "tensorflow" and d.patch.kind != "lowering"
+    }
     return lowered | patches | set(REPLICATED_OPS)
 
 
