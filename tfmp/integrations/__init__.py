@@ -194,6 +194,7 @@ def declare(module: str, patches: Iterable[Patch], *, on_import: bool = False) -
             )
         library_of(patch)
         _declarations.append(Declaration(patch, module, on_import))
+        taken[patch.target, patch.attribute] = module
 
 
 def declarations() -> list[Declaration]:
@@ -244,8 +245,7 @@ def install(holder: Any = None) -> None:
             if library.MODULE in _removals or library.MODULE not in sys.modules:
                 continue
             _warn_if_untested(library)
-            removals = _removals[library.MODULE] = []
-            removals += [patch.apply() for patch in _to_apply(library, on_import=False)]
+            _removals[library.MODULE] = [patch.apply() for patch in _to_apply(library, on_import=False)]
 
 
 def uninstall() -> None:

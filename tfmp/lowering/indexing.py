@@ -197,6 +197,7 @@ def gather_with_batch_dims_from_the_front(gather: Callable) -> Callable:
 
     return wrapper
 
+
 # TensorFlow functions patched with this family's code while a strategy exists.
 PATCHES = (
     Patch(

@@ -173,6 +173,7 @@ def _static_axis(values: Any, axis: Any, extra_dimension: bool) -> int | None:
     rank = ranks.pop() + (1 if extra_dimension else 0)
     return int(axis_value) % rank if rank else None
 
+
 # TensorFlow functions patched with this family's code while a strategy exists.
 PATCHES = (
     Patch(

@@ -512,6 +512,7 @@ def replicated_poisson_on_mesh(kernel: Callable) -> Callable:
 
     return wrapper
 
+
 # TensorFlow functions patched with this family's code while a strategy exists.
 PATCHES = (
     *(

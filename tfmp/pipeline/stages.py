@@ -25,6 +25,7 @@ from tfmp.mesh import DeviceMesh
 from tfmp.state import VariableState, known_state, state_of
 from tfmp.tracing import context, scoped
 
+
 class StageMeshes:
     """The sub-mesh of each pipeline stage of a mesh with a stage axis.
 

@@ -37,7 +37,6 @@ from tfmp.strategy.input import MeshDataset, OnDemandDataset
 from tfmp.tracing import context, scoped
 
 
-
 def skip_in_next_epoch(batches: int) -> None:
     """The next epoch any training pass opens starts after `batches` batches
     (0: at its first); `BackupAndRestore` sets it when it restores."""

@@ -17,7 +17,7 @@ from tfmp.integrations.internals import distribute_lib
 from tfmp.layout import LayoutMap, declared_layout, explicit_layout, replicated
 from tfmp.layout_decision import decide_layout
 from tfmp.mesh import DeviceMesh
-from tfmp.state import ModelState, state_of
+from tfmp.state import ModelState, known_state, state_of
 from tfmp.strategy import agreement
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
@@ -463,7 +463,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def _is_planned(self, model: Any) -> bool:
         """Whether `layout_map="auto"` has laid out `model`, or all its
         variables as another model's (a Sequential's inner functional model)."""
-        return state_of(model, ModelState).auto_planned or (
+        state = known_state(model, ModelState)
+        return (state is not None and state.auto_planned) or (
             bool(model.variables) and all(v.value.ref() in self._planned_values for v in model.variables)
         )
 

@@ -14,6 +14,7 @@ from tfmp.layout_decision import LayoutDecision
 from tfmp.mesh import DeviceMesh
 from tfmp.tracing import context, scoped
 
+
 def creating(keras_variable: Any) -> contextlib.AbstractContextManager:
     """The backing `tf.Variable` of `keras_variable` is created in the block.
 
