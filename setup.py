@@ -17,6 +17,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-xdist",
+            "pytest-timeout",
             "h5py",
             "tensorboard",
             "matplotlib",

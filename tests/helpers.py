@@ -5,7 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import re
+import signal
+import subprocess
+import sys
 
 import keras
 import tensorflow as tf
@@ -25,6 +29,28 @@ class PatchesHeld:
 
     def __init__(self):
         integrations.install(self)
+
+
+def run_in_fresh_process(program: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs `program` with `python -c` in the tests' folder (`import conftest`
+    splits the CPU as here), in a session of its own: whatever it leaves
+    running (forked readers) is killed with it, at the end or the timeout."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", program],
+        cwd=pathlib.Path(__file__).parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def mesh(shape, axis_names=None) -> tfmp.DeviceMesh:

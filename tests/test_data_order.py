@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import SEED, BatchLosses, assert_weights_close, rules, strategy_on
+from helpers import SEED, BatchLosses, assert_weights_close, rules, run_in_fresh_process, strategy_on
 
 ROWS = 37  # batches of 8: the last has 5 rows, which a batch axis of 2 does not split
 BATCH = 8
@@ -209,9 +209,11 @@ def test_fit_with_validation_reads_what_one_device_reads(case):
     assert_weights_close(want_weights, weights)
 
 
-def test_pydataset_with_multiprocessing_trains_on_one_devices_batches():
-    """Worker processes read the batches, so the log stays in them; the steps'
-    losses say which rows each step trained on."""
+def fit_with_forked_readers() -> None:
+    """One device against 2x4 with PyDataset reading in forked processes.
+
+    The readers' log stays in them; the steps' losses say which rows each step
+    trained on."""
     def make_data(reads):
         return (
             LoggingPyDataset(reads["train"], 0, workers=2, use_multiprocessing=True),
@@ -224,6 +226,17 @@ def test_pydataset_with_multiprocessing_trains_on_one_devices_batches():
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     np.testing.assert_allclose(history["val_loss"], want_history["val_loss"], rtol=1e-5)
     assert_weights_close(want_weights, weights)
+
+
+def test_pydataset_with_multiprocessing_trains_on_one_devices_batches():
+    """Runs in a process of its own. Forked from a test process that had run
+    hundreds of tests, 7 of Keras' 8 readers hung (in a futex wait) after
+    the test and lived on, holding that process's pipes to pytest; forked
+    from a young process, as from a user's program, they exit."""
+    finished = run_in_fresh_process(
+        "import conftest, test_data_order; test_data_order.fit_with_forked_readers()"
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
 
 
 def test_evaluate_and_predict_read_each_element_once_in_order():
