@@ -19,6 +19,10 @@ from tfmp.tracing import context
 
 Axes = tuple  # one entry per tensor dimension: a mesh axis name or None
 
+# A key ending so lays out a layer's output, not a variable (Keras' convention:
+# `"decoder/ffn/output"` for the layer at path `"decoder/ffn"`).
+OUTPUT_SUFFIX = "/output"
+
 
 class GatheredOnUse(tuple):
     """Axes a variable is stored split over, read whole by its layer.
@@ -72,6 +76,12 @@ class LayoutMap(collections.abc.MutableMapping):
     installed Keras, by asking Keras' own lookup (Keras 3.15 matches the whole
     path, `re.fullmatch`, as on the JAX backend).
 
+    A key ending in `"/output"` lays out the output of the layers whose path
+    it matches (plus `"/output"`), as `keras.distribution.LayoutMap` does on
+    JAX: in each traced step the output is relaid out there, exactly, as
+    `jax.lax.with_sharding_constraint` does. A batch axis in it keeps the
+    layout tfmp gives the batch (whole for a last batch it does not divide).
+
     A map that has rules but matches none of the model's variables is an
     error at the first step (the model would train 100% replicated), unless
     `require_match=False`. Rules that match nothing while others match warn;
@@ -91,6 +101,7 @@ class LayoutMap(collections.abc.MutableMapping):
         >>> layout_map = tfmp.LayoutMap(mesh)
         >>> layout_map["dense_1/kernel"] = (None, "model")  # column-parallel
         >>> layout_map["dense_2/kernel"] = ("model", None)  # row-parallel
+        >>> layout_map["dense_1/output"] = ("batch", "model")  # its activations
     """
 
     def __init__(self, mesh: Any, whole_path: bool = False, require_match: bool = True):
@@ -101,6 +112,9 @@ class LayoutMap(collections.abc.MutableMapping):
         self._rules: dict[str, Axes] = {}
         self._matched: set[str] = set()
         self._looked_up: dict[str, None] = {}  # variable paths match() was asked about, in order
+        self._outputs_looked_up = False  # a traced forward pass asked for layer outputs
+        self._laid_out_outputs: dict[str, str] = {}  # layer path -> its output's key
+        self._warned: set[str] = set()
         # A Keras LayoutMap this map follows: rules the user adds to it later
         # (before the model is built) apply, as Keras on JAX reads its map
         # whenever a variable is created.
@@ -172,47 +186,81 @@ class LayoutMap(collections.abc.MutableMapping):
         self._matched.add(key)
         return key, self._rules[key]
 
-    def _find_key(self, path: str) -> str | None:
+    def _find_key(self, path: str, outputs: bool = False) -> str | None:
+        """The key of the rule for a variable's path, or with `outputs` for
+        a layer output's (among the keys ending in `"/output"` only)."""
         self._follow()
-        if path in self._rules:
+        rules = [key for key in self._rules if key.endswith(OUTPUT_SUFFIX) == outputs]
+        if path in rules:
             return path
-        keys = [key for key in self._rules if self._matches(key, path)]
+        keys = [key for key in rules if self._matches(key, path)]
         if len(keys) > 1:
+            what = "Layer output path" if outputs else "Variable path"
             raise ValueError(
-                f"Variable path {path!r} matches several LayoutMap keys {keys}; "
+                f"{what} {path!r} matches several LayoutMap keys {keys}; "
                 "make the keys specific enough that one matches."
             )
         return keys[0] if keys else None
 
+    def output_axes(self, layer_path: str) -> Axes | None:
+        """The axes the output of the layer at `layer_path` is laid out with
+        (the rule whose key matches `layer_path + "/output"`), recording the
+        use; None without one."""
+        self._outputs_looked_up = True
+        key = self._find_key(layer_path + OUTPUT_SUFFIX, outputs=True)
+        if key is None:
+            return None
+        self._matched.add(key)
+        self._laid_out_outputs[layer_path] = key
+        return self._rules[key]
+
+    def laid_out_outputs(self) -> dict[str, tuple[str, Axes]]:
+        """The layers whose output a rule has laid out in a traced step so
+        far: layer path -> (key, axes)."""
+        return {path: (key, self._rules[key]) for path, key in self._laid_out_outputs.items()}
+
+    def output_keys(self) -> list[str]:
+        """The keys that lay out layer outputs (ending in `"/output"`)."""
+        self._follow()
+        return [key for key in self._rules if key.endswith(OUTPUT_SUFFIX)]
+
     def note_tensor_path(self, path: str) -> None:
-        """Records that the rule matching `path`, a tensor's (a layer's
-        output), was used: it is no unmatched rule."""
-        key = self._find_key(path)
-        if key is not None:
-            self._matched.add(key)
+        """Records a lookup of `path`, a layer output's (`".../output"`), by
+        Keras' own `Layer.__call__`: its rule is no unmatched rule."""
+        self.output_axes(path.removesuffix(OUTPUT_SUFFIX))
 
     def unmatched_keys(self) -> list[str]:
-        """Keys that have matched no variable path so far."""
+        """Keys that have matched nothing so far: no variable path, or (once a
+        forward pass has been traced) no layer's output."""
         self._follow()
-        return [key for key in self._rules if key not in self._matched]
+        return [
+            key
+            for key in self._rules
+            if key not in self._matched
+            and (self._outputs_looked_up or not key.endswith(OUTPUT_SUFFIX))
+        ]
 
     def check_matched(self) -> bool:
         """Checks the rules against the variables looked up so far.
 
         Returns False (checking nothing) while no variable has been looked
-        up: the model does not exist yet. Warns about keys that matched no
-        variable, with the key that would match under this map's rule.
+        up: the model does not exist yet; and False while output keys wait
+        for a traced forward pass. Warns about keys that matched no variable
+        (or layer output), once each, with the key that would match under
+        this map's rule.
 
         Raises:
             ValueError: If no rule matched any variable and `require_match`.
         """
         if not self._looked_up:
             return False
-        unmatched = self.unmatched_keys()
+        checked = self._outputs_looked_up or not self.output_keys()
+        unmatched = [key for key in self.unmatched_keys() if key not in self._warned]
         if not unmatched:
-            return True
+            return checked
         hints = "".join(self._hint(key) for key in unmatched)
-        if unmatched == list(self._rules) and self.require_match:
+        variable_keys = [key for key in self._rules if not key.endswith(OUTPUT_SUFFIX)]
+        if variable_keys and all(key in unmatched for key in variable_keys) and self.require_match:
             raise ValueError(
                 f"tfmp: no LayoutMap key matched any of the model's "
                 f"{len(self._looked_up)} variables (keys {unmatched}, variables such "
@@ -222,13 +270,15 @@ class LayoutMap(collections.abc.MutableMapping):
                 "use an empty LayoutMap (or keras.distribution.DataParallel), or "
                 "pass require_match=False."
             )
+        self._warned.update(unmatched)
         warnings.warn(
-            f"tfmp: LayoutMap keys {unmatched} matched no variable, so nothing "
-            f"they describe is sharded.{hints} Check them against the variable paths "
-            "that tfmp.summary(model) lists (a renamed layer changes its path).",
+            f"tfmp: LayoutMap keys {unmatched} matched no variable (nor layer output), "
+            f"so nothing they describe is sharded.{hints} Check them against the "
+            "variable paths that tfmp.summary(model) lists (a renamed layer changes "
+            "its path; a layer's output is its path plus '/output').",
             stacklevel=4,
         )
-        return True
+        return checked
 
     def _hint(self, key: str) -> str:
         """Why `key` matches no variable under whole-path matching, and the

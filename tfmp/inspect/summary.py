@@ -12,7 +12,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from tfmp.inspect.display import Device, device_ranges, format_bytes, render_table
-from tfmp.layout import layout_axes
+from tfmp.layout import LayoutMap, layout_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +160,7 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
     lines += ["", _device_table(groups, on_mesh)]
     if on_mesh:
         lines += [""] + _replicated_lines(groups)
+    lines += _output_lines(model)
     stages = bytes_per_stage(model)
     if stages:
         lines += ["", "per pipeline stage:"]
@@ -181,6 +182,24 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
     text = "\n".join(lines)
     (print_fn or print)(text)
     return text
+
+
+def _output_lines(model: Any) -> list[str]:
+    """The layer outputs the strategy's `"/output"` rules lay out."""
+    layout_map = getattr(getattr(model, "distribute_strategy", None), "layout_map", None)
+    if not isinstance(layout_map, LayoutMap) or not layout_map.output_keys():
+        return []
+    laid_out = layout_map.laid_out_outputs()
+    if not laid_out:
+        return [""] + _wrap(
+            f"layer outputs: rules {layout_map.output_keys()} lay out the outputs they "
+            "match from the first traced step (none traced yet)."
+        )
+    table = render_table(
+        ("layer output", "layout", "rule"),
+        [(f"{path}/output", str(axes), key) for path, (key, axes) in laid_out.items()],
+    )
+    return ["", table]
 
 
 def _devices_line(devices: set[str], on_mesh: bool) -> str:

@@ -11,6 +11,7 @@ name says what tfmp takes it for.
 # Keras: the classes tfmp recognizes models, layers and ops by, and the
 # trainer's helpers it calls the way Keras' own loops do.
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # noqa: F401
+from keras.src.backend.common.name_scope import current_path as keras_current_path  # noqa: F401
 from keras.src.backend.tensorflow import distribution_lib as keras_tf_distribution_lib  # noqa: F401
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, reduce_per_replica  # noqa: F401
 from keras.src.layers.convolutional.base_conv import BaseConv  # noqa: F401

@@ -26,6 +26,7 @@ from tensorflow.experimental import dtensor
 
 from tfmp import distributed
 from tfmp.forward import forward_mesh
+from tfmp.integrations.internals import keras_current_path as current_path
 from tfmp.integrations.internals import keras_tf_distribution_lib as tf_distribution_lib
 from tfmp.strategy.placement import to_layout
 from tfmp.strategy.strategy import ModelParallelStrategy
@@ -61,10 +62,8 @@ def record_tensor_layout_lookups(distribution: Any, strategy: ModelParallelStrat
 
     @functools.wraps(lookup)
     def get_tensor_layout(path):
-        layout = lookup(path)
-        if layout is not None:
-            strategy.layout_map.note_tensor_path(path)
-        return layout
+        strategy.layout_map.note_tensor_path(path)
+        return lookup(path)
 
     distribution.get_tensor_layout = get_tensor_layout
 
@@ -137,6 +136,28 @@ def distribute_tensor(tensor: Any, layout: Any) -> Any:
     specs = _specs(layout, mesh, tensor.shape.rank)
     specs = [dtensor.MATCH if spec == batch_axis else spec for spec in specs]
     return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
+
+
+def lay_out_output(layer: Any, outputs: Any) -> Any:
+    """`outputs` of `layer`, traced on a mesh, relaid out by the tfmp
+    strategy's rule for the layer's output (`LayoutMap["<path>/output"]`).
+
+    Under a Keras distribution Keras' own `Layer.__call__` looks the rule up
+    and calls `distribute_tensor`; a tfmp strategy's map is read here, with
+    the same path (the enclosing layers' names and the layer's).
+    """
+    if keras.distribution.distribution() is not None:
+        return outputs
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, ModelParallelStrategy) or forward_mesh() is None:
+        return outputs
+    axes = strategy.layout_map.output_axes("/".join(filter(None, (current_path(), layer.name))))
+    if axes is None:
+        return outputs
+    return tf.nest.map_structure(
+        lambda tensor: distribute_tensor(tensor, axes) if isinstance(tensor, tf.Tensor) else tensor,
+        outputs,
+    )
 
 
 def _specs(layout: Any, mesh: dtensor.Mesh, rank: int) -> list[str]:
