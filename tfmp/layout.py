@@ -113,7 +113,7 @@ class LayoutMap(collections.abc.MutableMapping):
         self._matched: set[str] = set()
         self._looked_up: dict[str, None] = {}  # variable paths match() was asked about, in order
         self._outputs_looked_up = False  # a traced forward pass asked for layer outputs
-        self._laid_out_outputs: dict[str, str] = {}  # layer path -> its output's key
+        self._laid_out_outputs: dict[str, tuple[str, Axes]] = {}  # layer path -> (key, axes)
         self._warned: set[str] = set()
         # A Keras LayoutMap this map follows: rules the user adds to it later
         # (before the model is built) apply, as Keras on JAX reads its map
@@ -211,13 +211,18 @@ class LayoutMap(collections.abc.MutableMapping):
         if key is None:
             return None
         self._matched.add(key)
-        self._laid_out_outputs[layer_path] = key
+        self.note_output(layer_path, key, self._rules[key])
         return self._rules[key]
 
+    def note_output(self, layer_path: str, source: str, axes: Axes) -> None:
+        """Records that a traced step laid out the output of the layer at
+        `layer_path` with `axes`, by `source` (a key, or what else decided)."""
+        self._laid_out_outputs[layer_path] = (source, tuple(axes))
+
     def laid_out_outputs(self) -> dict[str, tuple[str, Axes]]:
-        """The layers whose output a rule has laid out in a traced step so
-        far: layer path -> (key, axes)."""
-        return {path: (key, self._rules[key]) for path, key in self._laid_out_outputs.items()}
+        """The layers whose output a traced step has laid out so far:
+        layer path -> (the key or what else decided, axes)."""
+        return dict(self._laid_out_outputs)
 
     def output_keys(self) -> list[str]:
         """The keys that lay out layer outputs (ending in `"/output"`)."""

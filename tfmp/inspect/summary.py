@@ -185,18 +185,21 @@ def summary(model: Any, print_fn: Callable[[str], Any] | None = None) -> str:
 
 
 def _output_lines(model: Any) -> list[str]:
-    """The layer outputs the strategy's `"/output"` rules lay out."""
+    """The layer outputs the strategy lays out (by `"/output"` rules, or
+    sequence parallelism) in the steps traced so far."""
     layout_map = getattr(getattr(model, "distribute_strategy", None), "layout_map", None)
-    if not isinstance(layout_map, LayoutMap) or not layout_map.output_keys():
+    if not isinstance(layout_map, LayoutMap):
         return []
     laid_out = layout_map.laid_out_outputs()
+    if not laid_out and not layout_map.output_keys():
+        return []
     if not laid_out:
         return [""] + _wrap(
             f"layer outputs: rules {layout_map.output_keys()} lay out the outputs they "
             "match from the first traced step (none traced yet)."
         )
     table = render_table(
-        ("layer output", "layout", "rule"),
+        ("layer output", "layout", "laid out by"),
         [(f"{path}/output", str(axes), key) for path, (key, axes) in laid_out.items()],
     )
     return ["", table]

@@ -57,6 +57,12 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             2x4 mesh then holds about 1/8 of the parameters and optimizer
             state. A layer gathers the batch axis of its weights as it reads
             them, and gradients are reduced back to the stored shards.
+        sequence_parallel: Megatron-LM's sequence parallelism, over mesh axis
+            `"model"` (True) or the axis named: the `(batch, sequence,
+            features)` outputs of norm and dropout layers are split over the
+            sequence, so each device of the axis keeps 1/N of the activations
+            between tensor-parallel blocks (`tfmp.strategy.sequence_parallel`).
+            A `"<layer path>/output"` rule of the layout map wins over it.
 
     Examples:
         >>> import keras, tfmp
@@ -85,6 +91,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         num_microbatches: int = 1,
         schedule: str = "gpipe",
         fully_shard: bool = False,
+        sequence_parallel: bool | str = False,
     ):
         mesh = as_device_mesh(mesh)
         if not isinstance(fully_shard, bool):
@@ -102,6 +109,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
                 f"strategy has none (mesh axes {mesh.axis_names}). Give the mesh a "
                 "'batch' axis or name one with batch_axis=..."
             )
+        self.sequence_parallel_axis = _sequence_axis(mesh, sequence_parallel, batch_axis)
         auto_axis = None
         if isinstance(layout_map, str):
             if layout_map != "auto":
@@ -234,6 +242,25 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             f"ModelParallelStrategy({self.mesh!r}, layout_map with "
             f"{len(self.layout_map)} rules, batch_axis={self.batch_axis!r})"
         )
+
+
+def _sequence_axis(mesh: DeviceMesh, sequence_parallel: bool | str, batch_axis: str | None) -> str | None:
+    """The mesh axis `sequence_parallel` splits sequences over, or None."""
+    if sequence_parallel is False:
+        return None
+    axis = "model" if sequence_parallel is True else sequence_parallel
+    if not isinstance(axis, str):
+        raise TypeError(
+            f"sequence_parallel must be True, False or a mesh axis name, got "
+            f"{sequence_parallel!r} ({type(sequence_parallel).__name__})."
+        )
+    mesh.check_axis(axis, what="sequence_parallel splits sequences over mesh axis")
+    if axis == batch_axis:
+        raise ValueError(
+            f"sequence_parallel={sequence_parallel!r} names the batch axis {axis!r}; "
+            "sequences are split over the tensor-parallel axis (usually 'model')."
+        )
+    return axis
 
 
 def _resolve_batch_axis(
