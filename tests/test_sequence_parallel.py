@@ -3,8 +3,8 @@ outputs split over the sequence on the tensor-parallel axis, with one
 device's numbers.
 
 Each program trains from one device's initial weights on a 2x4
-("batch", "model") mesh; the batches of 37 rows at 8 (or 12 rows cut in 3)
-end with one the batch axis does not divide.
+("batch", "model") mesh; the batches (37 rows at 8, or 13 at 4) end with
+one the batch axis does not divide.
 """
 
 import keras
@@ -85,10 +85,15 @@ def test_keras_hub_backbone_with_sequence_parallelism_matches_one_device(name):
         pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
         return keras.Model(backbone.input, keras.layers.Dense(4, name="classifier")(pooled))
 
-    x, _, _ = token_data(n=12)
-    y = np.random.default_rng(0).normal(size=(12, 4)).astype("float32")
+    x, _, _ = token_data(n=13)
+    y = np.random.default_rng(0).normal(size=(13, 4)).astype("float32")
     model = assert_parity(
-        build, x=x, y=y, strategy=strategy_on((2, 4), lambda mesh: "auto", sequence_parallel=True)
+        build,
+        x=x,
+        y=y,
+        strategy=strategy_on((2, 4), lambda mesh: "auto", sequence_parallel=True),
+        batch_size=4,
+        steps=4,
     )
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
     assert laid_out and all(axes == SPLIT for _, axes in laid_out.values())

@@ -26,10 +26,8 @@ from tensorflow.experimental import dtensor
 
 from tfmp import distributed
 from tfmp.forward import forward_mesh
-from tfmp.integrations.internals import keras_current_path as current_path
 from tfmp.integrations.internals import keras_tf_distribution_lib as tf_distribution_lib
 from tfmp.strategy.placement import to_layout
-from tfmp.strategy.sequence_parallel import gathers_sequence, sequence_axes
 from tfmp.strategy.strategy import ModelParallelStrategy
 
 # One strategy per distribution: models made each time `with distribution.scope():`
@@ -137,59 +135,6 @@ def distribute_tensor(tensor: Any, layout: Any) -> Any:
     specs = _specs(layout, mesh, tensor.shape.rank)
     specs = [dtensor.MATCH if spec == batch_axis else spec for spec in specs]
     return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
-
-
-def lay_out_output(layer: Any, outputs: Any) -> Any:
-    """`outputs` of `layer`, traced on a mesh, relaid out by the tfmp
-    strategy's rule for the layer's output (`LayoutMap["<path>/output"]`),
-    else by its sequence parallelism (`tfmp.strategy.sequence_parallel`).
-
-    Under a Keras distribution Keras' own `Layer.__call__` looks the rule up
-    and calls `distribute_tensor`; a tfmp strategy's map is read here, with
-    the same path (the enclosing layers' names and the layer's).
-    """
-    if keras.distribution.distribution() is not None:
-        return outputs
-    strategy = tf.distribute.get_strategy()
-    mesh = forward_mesh()
-    if not isinstance(strategy, ModelParallelStrategy) or mesh is None:
-        return outputs
-    path = "/".join(filter(None, (current_path(), layer.name)))
-    layout_map = strategy.layout_map
-    axes = layout_map.output_axes(path)
-    axis = strategy.sequence_parallel_axis
-    if axes is None and axis is not None and axis in mesh.dim_names:
-        axes = sequence_axes(layer, outputs, axis, strategy.batch_axis, mesh.dim_size(axis))
-        if axes is not None:
-            layout_map.note_output(path, f"sequence_parallel={axis!r}", axes)
-    if axes is None:
-        return outputs
-    return tf.nest.map_structure(
-        lambda tensor: distribute_tensor(tensor, axes) if isinstance(tensor, tf.Tensor) else tensor,
-        outputs,
-    )
-
-
-def gather_sequence_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The `(batch, sequence, features)` inputs of an attention layer
-    gathered whole over the sequence when the tfmp strategy is sequence
-    parallel (`tfmp.strategy.sequence_parallel`); the inputs as they are
-    otherwise."""
-    strategy = tf.distribute.get_strategy()
-    if (
-        not isinstance(strategy, ModelParallelStrategy)
-        or strategy.sequence_parallel_axis is None
-        or forward_mesh() is None
-        or not gathers_sequence(layer)
-    ):
-        return args, kwargs
-    whole = (strategy.batch_axis, None, None)
-    return tf.nest.map_structure(
-        lambda value: distribute_tensor(value, whole)
-        if isinstance(value, tf.Tensor) and value.shape.rank == 3 and value.dtype.is_floating
-        else value,
-        (args, kwargs),
-    )
 
 
 def _specs(layout: Any, mesh: dtensor.Mesh, rank: int) -> list[str]:

@@ -41,10 +41,10 @@ from tfmp.integrations.internals import tf_dtypes as dtypes
 from tfmp.integrations.internals import tf_ops as ops
 from tfmp.state import ModelState, state_of
 from tfmp.strategy import errors, peer_errors
+from tfmp.strategy.activation_layouts import laid_out_call
 from tfmp.strategy.epoch_iterator import build_pass_expected
 from tfmp.strategy.extended import extended_of
 from tfmp.strategy.first_step_note import with_first_step_note
-from tfmp.strategy.keras_distribution import gather_sequence_inputs, lay_out_output
 from tfmp.strategy.placement import BatchPlacer, replicate
 from tfmp.strategy.step_errors import with_step_errors
 from tfmp.strategy.variable import MeshVariable
@@ -194,8 +194,7 @@ def eager_call(layer_call: Callable) -> Callable:
     def __call__(self, *args, **kwargs):
         if not tf.executing_eagerly():
             with forward_on(_forward_mesh_of(self)):
-                args, kwargs = gather_sequence_inputs(self, args, kwargs)
-                return lay_out_output(self, layer_call(self, *args, **kwargs))
+                return laid_out_call(self, layer_call, args, kwargs)
         if context.eager_mesh_call:
             return layer_call(self, *args, **kwargs)
         # Asked first: a layer outside any tfmp mesh answers fastest.
