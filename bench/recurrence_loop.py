@@ -2,7 +2,7 @@
 
 A BiLSTM (Embedding with mask_zero, 16 units, gates split over "model") on a
 2x4 ("batch", "model") mesh of 8 CPU devices: the first `fit` step (trace,
-DTensor's layout, first run) and the mean later step, with the recurrence
+DTensor's layout, first run) and the median later step, with the recurrence
 run as tfmp's loop (`tfmp.lowering.rnn_loop`) and unrolled (the loop
 declined). The loop runs first and last, so that its two runs bracket the
 machine's drift. docs/performance.md has the numbers of a run.

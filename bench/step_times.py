@@ -1,5 +1,5 @@
-"""The first `fit` step and the mean later step of a compiled model, for the
-benchmarks that compare two ways of running one model side by side.
+"""The first `fit` step and the median later step of a compiled model, for
+the benchmarks that compare two ways of running one model side by side.
 
 Shared by the scripts in bench/ (they run as `python bench/<script>.py`, so
 this folder is on `sys.path`: `import step_times`).
@@ -13,12 +13,25 @@ import keras
 import numpy as np
 
 
+class _BatchEnds(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.times.append(time.perf_counter())
+
+
 def first_and_later_step(model: keras.Model, x: np.ndarray, y: np.ndarray, batch_size: int) -> tuple[float, float]:
     """Seconds of the first step (trace, layout, first run: one `fit` of one
-    batch), then the mean seconds per step of a `fit` over all of `x`."""
+    batch), then the median seconds between the ends of consecutive steps
+    of a `fit` over all of `x` (Keras reads each step's logs at its end,
+    which waits for the step). The gaps leave out what `fit` does before its
+    first step and after its last (opening and closing the data, callbacks),
+    which the seconds of the whole `fit` would spread over its steps."""
     start = time.perf_counter()
     model.fit(x[:batch_size], y[:batch_size], batch_size=batch_size, verbose=0)
     first = time.perf_counter() - start
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=batch_size, verbose=0)
-    return first, (time.perf_counter() - start) / (len(x) // batch_size)
+    batch_ends = _BatchEnds()
+    model.fit(x, y, batch_size=batch_size, verbose=0, callbacks=[batch_ends])
+    return first, float(np.median(np.diff(batch_ends.times)))

@@ -1,6 +1,6 @@
-"""Convolutions (Keras' Conv and ConvTranspose layers) as sums over kernel
-taps of channel matmuls (`tfmp.lowering.taps`), or as Keras' own where the
-kernel is whole.
+"""Convolutions (Keras' Conv and ConvTranspose layers) as Keras' own op on
+the batch split, or as sums over kernel taps of channel matmuls
+(`tfmp.lowering.taps`).
 
 DTensor's own convolutions refuse split kernels on CPU and GPU ("Filter for
 convolution must have fully replicated layout"), split input channels, and
@@ -8,14 +8,18 @@ transposed convolutions of anything but a batch split. (The depthwise and
 separable convolutions run Keras' own on inputs gathered whole:
 `tfmp.lowering.replicated`, measured faster than a sum over taps.)
 
-A convolution whose kernel is whole (split over no mesh axis) runs as Keras'
-own op on its batch split (`_native_conv`): DTensor's Conv ops and their
-gradients take that layout, and one op per device beats a product per tap.
+A convolution or transposed convolution whose kernel is whole (split over no
+mesh axis) runs as Keras' own op on its batch split (`_native_conv`):
+DTensor's Conv ops and their gradients take that layout, and one op per
+device beats a product per tap. So does a split kernel gathered whole where
+the work each device then duplicates is small (`_runs_natively`); a larger
+one runs tap-wise, as do grouped and channels-first convolutions.
 Keras' `add`, which adds a conv layer's bias, is lowered too (see `add`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -54,7 +58,8 @@ def conv(
     data_format: str | None = None,
     dilation_rate: Any = 1,
 ) -> tf.Tensor:
-    """`keras.src.backend.tensorflow.nn.conv` as a sum over kernel taps.
+    """`keras.src.backend.tensorflow.nn.conv` as a sum over kernel taps, or
+    as Keras' own where the kernel is whole or cheap to gather.
 
     Groups (`channels != kernel.shape[-2]`) contract each group's channels
     with its filters only.
@@ -76,8 +81,16 @@ def conv(
     if channels == per_group:
         in_channels, out_channels = "c", "f"
         pinning = Pinning.current(inputs, _kernel_channels(kernel, "cf"))
-        if _runs_natively(kernel, pinning, data_format):
-            return _native_conv(inputs, kernel_tensor, pinning, strides, padding, dilation_rate)
+        if _runs_natively(kernel, pinning, data_format, "cf"):
+            keras_conv = keras_original(_KERAS_NN, "conv")
+            return _native_conv(
+                lambda x, k: keras_conv(x, k, strides, padding, "channels_last", dilation_rate),
+                inputs,
+                kernel_tensor,
+                _kernel_specs(kernel),
+                pinning,
+                "cf",
+            )
         convolve = _dense_conv
     else:
         in_channels = out_channels = "g"
@@ -88,45 +101,107 @@ def conv(
     return _from_channels_last(convolve(x, kernel_tensor, taps), data_format, pinning, out_channels)
 
 
-def _runs_natively(kernel: Any, pinning: Pinning, data_format: str | None) -> bool:
-    """Whether DTensor's own convolution runs this one: a whole kernel (a
-    tfmp variable split over no mesh axis), channels last. It splits the
-    batch only, which DTensor's Conv ops and their gradients take."""
+def _runs_natively(kernel: Any, pinning: Pinning, data_format: str | None, channels: str) -> bool:
+    """Whether Keras' own convolution runs this one (`_native_conv`): a
+    tfmp variable's kernel, channels last, whole or cheap to gather.
+
+    A whole kernel always runs natively: DTensor's Conv ops and their
+    gradients take a batch split. A split kernel is gathered where the
+    work every device then duplicates is small beside what the sum over
+    taps moves (`_gathered_work_per_moved_element`). `channels` names the
+    kernel's last two dimensions: "cf" (input channels, filters) for a
+    convolution, "fc" for a transposed one."""
     specs = _kernel_specs(kernel)
     return (
         specs is not None
-        and all(spec == dtensor.UNSHARDED for spec in specs)
         and pinning.mesh is not None
         and not _channels_first(data_format)
+        and _gathered_work_per_moved_element(kernel.shape, specs, pinning.mesh, channels)
+        <= GATHERED_WORK_PER_MOVED_ELEMENT
     )
 
 
+# Where the two ways crossed in bench/native_conv.py (a convnet on 2x4 and
+# 1x8 meshes of 8 CPU devices, docs/performance.md): the filter split of a
+# 128x128-channel kernel ran as fast either way at 77 and 1.06-1.23x faster
+# as a sum over taps at 100; every split below (16 to 64 channels, and the
+# channel splits of 128x128 at 65 and 83) ran 1.15-2x faster gathered.
+GATHERED_WORK_PER_MOVED_ELEMENT = 90
+
+
+def _gathered_work_per_moved_element(
+    shape: Any, specs: tuple[str, ...], mesh: dtensor.Mesh, channels: str = "cf"
+) -> float:
+    """Multiply-adds every device duplicates when it convolves with the
+    whole kernel, per element the sum over taps moves instead; 0 for a
+    whole kernel.
+
+    Per output position and tap, a device's share of a kernel split into
+    `shards` is `C * F / shards` multiply-adds; gathered, it computes all
+    `C * F`. The sum over taps reads `C_local` input channels and adds
+    `F_local` partial sums per position and tap, and where the input
+    channels are split, all-reduces the `F` outputs once per position (an
+    all-reduce moves each element about twice). `channels` says which of
+    the kernel's last two dimensions is `C` ("c") and which `F` ("f")."""
+
+    def split(spec: str) -> int:
+        return 1 if spec == dtensor.UNSHARDED else mesh.dim_size(spec)
+
+    shards = math.prod(split(spec) for spec in specs)
+    if shards == 1:
+        return 0.0
+    sizes = dict(zip(channels, shape[-2:]))
+    splits = dict(zip(channels, (split(spec) for spec in specs[-2:])))
+    moved = sizes["c"] / splits["c"] + sizes["f"] / splits["f"]
+    if splits["c"] > 1:
+        moved += 2 * sizes["f"] / math.prod(shape[:-2])
+    return (1 - 1 / shards) * sizes["c"] * sizes["f"] / moved
+
+
 def _native_conv(
-    x: tf.Tensor, kernel: tf.Tensor, pinning: Pinning, strides: Any, padding: str, dilation_rate: Any
+    convolve: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
+    x: tf.Tensor,
+    kernel: tf.Tensor,
+    kernel_specs: tuple[str, ...],
+    pinning: Pinning,
+    channels: str,
 ) -> tf.Tensor:
-    """Keras' own convolution, on `x` pinned to its batch split (spatial
-    dimensions and channels whole): one op per device instead of a product
-    per tap, and one device's sums. The output's gradient is pinned alike
-    before DTensor's own gradient ops run, and the input's gradient leaves
-    in that layout (a relayout's own gradient, back to the layout `x` came
-    in, fails DTensor's layout propagation after a split layer)."""
+    """`convolve(x, kernel)`, Keras' own (channels last), on `x` pinned to
+    its batch split and `kernel` gathered whole (spatial dimensions and
+    channels whole): one op per device instead of a product per tap, and
+    one device's sums.
+
+    `channels` names the kernel's last two dimensions as the pinning does:
+    "cf" for a convolution (input channels `c`, filters `f`), "fc" for a
+    transposed one, whose input has the kernel's last dimension. The output
+    leaves split as the kernel splits its own; its gradient is pinned whole
+    before DTensor's own gradient ops run (which refuse split channels), and
+    the input's gradient leaves in `x`'s pinned layout (a relayout's own
+    gradient, back to the layout `x` came in, fails DTensor's layout
+    propagation after a split layer), the kernel's in `kernel_specs`, the
+    variable's."""
     spatial = SPATIAL_LETTERS[-(x.shape.rank - 2) :]
-    patch, out = f"n{spatial}c", f"n{spatial}f"
-    convolve = keras_original(_KERAS_NN, "conv")
+    kernel_letters = SPATIAL_LETTERS[-(kernel.shape.rank - 2) :] + "cf"
+    patch, out = f"n{spatial}{channels[0]}", f"n{spatial}{channels[1]}"
+    whole = Pinning(pinning.mesh, pinning.batch)
+    kernel_layout = dtensor.Layout(list(kernel_specs), pinning.mesh)
 
     @tf.custom_gradient
     def native(x: tf.Tensor, kernel: tf.Tensor):
-        x = tf.stop_gradient(pinning.pin(x, patch))
+        x = tf.stop_gradient(whole.pin(x, patch))
+        kernel = tf.stop_gradient(whole.pin(kernel, kernel_letters))
         with tf.GradientTape() as tape:
             tape.watch([x, kernel])
-            y = convolve(x, kernel, strides, padding, "channels_last", dilation_rate)
+            y = convolve(x, kernel)
 
         def grad(dy: tf.Tensor):
             with tf.name_scope(BACKWARD_SCOPE):
-                dx, dkernel = tape.gradient(y, [x, kernel], output_gradients=pinning.pin(dy, out))
-                return pinning.pin(dx, patch), dkernel
+                dx, dkernel = tape.gradient(y, [x, kernel], output_gradients=whole.pin(dy, out))
+                dx, dkernel = whole.pin(dx, patch), whole.pin(dkernel, kernel_letters)
+                return pinning.pin(dx, patch), dtensor.relayout(dkernel, kernel_layout)
 
-        return pinning.pin(y, out), grad
+        # Whole first: DTensor would carry a filter split back onto Conv2D.
+        return pinning.pin(whole.pin(y, out), out), grad
 
     return native(x, kernel)
 
@@ -162,7 +237,8 @@ def conv_transpose(
     dilation_rate: Any = 1,
 ) -> tf.Tensor:
     """`keras.src.backend.tensorflow.nn.conv_transpose` as the adjoint of a
-    sum over kernel taps.
+    sum over kernel taps, or as Keras' own where the kernel is whole or
+    cheap to gather.
 
     Args:
         inputs: `(batch, *spatial, channels)`, or channels first.
@@ -202,7 +278,18 @@ def conv_transpose(
                 f"convolution maps to {plan.output}, not to the input's {size}. Use an "
                 "output_padding smaller than the stride."
             )
-    y = conv_transpose_by_taps(x, kernel_tensor, taps, dense_contraction(rank))
+    if _runs_natively(kernel, pinning, "channels_last", "fc"):  # `x` is channels last
+        keras_conv_transpose = keras_original(_KERAS_NN, "conv_transpose")
+        y = _native_conv(
+            lambda x, k: keras_conv_transpose(x, k, strides, padding, output_padding, "channels_last", dilation_rate),
+            x,
+            kernel_tensor,
+            _kernel_specs(kernel),
+            pinning,
+            "fc",
+        )
+    else:
+        y = conv_transpose_by_taps(x, kernel_tensor, taps, dense_contraction(rank))
     return _from_channels_last(y, data_format, pinning, "c")
 
 
