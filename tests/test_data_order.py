@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import SEED, BatchLosses, assert_weights_close, rules, run_in_fresh_process, strategy_on
+from tfmp.strategy.input import _without_autotune
 
 ROWS = 37  # batches of 8: the last has 5 rows, which a batch axis of 2 does not split
 BATCH = 8
@@ -376,3 +377,18 @@ def test_program_on_2x4_trains_like_one_device(build, layout_map_fn, loss, make_
     for key, values in want_history.items():
         np.testing.assert_allclose(history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
     assert_weights_close(want_weights, weights)
+
+
+def test_host_pipeline_reads_without_autotuning_unless_its_options_say():
+    """tfmp's host iterator closes at once at the end of `fit`: with
+    tf.data's autotuning on it took 0.2-2.6 s (docs/performance.md), so the
+    pipeline tfmp reads runs with it off, unless the user's options set it."""
+    dataset = tf.data.Dataset.range(ROWS).map(features, num_parallel_calls=tf.data.AUTOTUNE).batch(BATCH)
+    untuned = _without_autotune(dataset)
+    assert untuned.options().autotune.enabled is False
+    assert [x.numpy().tolist() for x, _ in untuned] == [x.numpy().tolist() for x, _ in dataset]
+    for enabled in (True, False):
+        options = tf.data.Options()
+        options.autotune.enabled = enabled
+        chosen = dataset.with_options(options)
+        assert _without_autotune(chosen).options().autotune.enabled is enabled
