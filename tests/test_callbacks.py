@@ -53,6 +53,34 @@ def test_gradient_sync_traffic_of_a_column_row_mlp():
     assert history.history["sync/mismatched_variables"] == [0.0]
 
 
+def test_gradient_sync_traffic_counts_inputs_gathered_for_replicated_ops():
+    """A depthwise convolution after a filter split gathers its input for
+    ops DTensor has no layout rule for: counted, not a KeyError."""
+    device_mesh = mesh((2, 4))
+    layout_map = tfmp.LayoutMap(device_mesh)
+    layout_map["filters/kernel"] = (None, None, None, "model")
+    layout_map["filters/bias"] = ("model",)
+    with tfmp.ModelParallelStrategy(device_mesh, layout_map).scope():
+        model = keras.Sequential(
+            [
+                keras.Input((6, 6, 2)),
+                keras.layers.Conv2D(8, 3, padding="same", name="filters"),
+                keras.layers.DepthwiseConv2D(2, padding="same", name="depthwise"),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile("adam", "mse")
+    monitor = tfmp.callbacks.GradientSyncMonitor()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 6, 6, 2)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    with pytest.warns(UserWarning, match="DepthwiseConv2dNative"):
+        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
+    gathered = [c for c in tfmp.comm_report(model, print_fn=lambda _: None).collectives if c.category == "replicated-ops"]
+    assert gathered
+    assert history.history["sync/replicated_op_bytes"] == [float(sum(c.bytes for c in gathered))]
+
+
 def corrupt_one_copy(variable, delta=1.0):
     """Adds `delta` to the first element of device 5's copy only."""
     handle = dtensor.unpack(variable.value.handle)[5]

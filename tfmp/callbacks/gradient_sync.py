@@ -27,7 +27,9 @@ class GradientSyncMonitor(keras.callbacks.Callback):
     - After the first epoch: the collectives of one training step per device,
       from `tfmp.comm_report` (no cost to later steps): `sync/gradient_bytes`
       (gradient synchronization), `sync/activation_bytes` (forward and
-      backward activations), `sync/collectives` and `sync/<axis>/bytes`. Under
+      backward activations), `sync/weight_gather_bytes`,
+      `sync/replicated_op_bytes` (inputs gathered for ops DTensor has no
+      layout rule for), `sync/collectives` and `sync/<axis>/bytes`. Under
       `tf.distribute.MirroredStrategy`, `sync/gradient_bytes` is the bytes of
       the trainable variables it all-reduces each step.
     - Every `check_every_n_epochs` epochs: every copy of every replicated
@@ -137,6 +139,7 @@ _TRAFFIC_KINDS = {
     "gradients": "gradient",
     "optimizer": "gradient",
     "weight-gathers": "weight_gather",
+    "replicated-ops": "replicated_op",
 }
 
 
@@ -153,6 +156,7 @@ def step_traffic(model: Any) -> dict[str, float]:
         "sync/gradient_bytes": 0.0,
         "sync/activation_bytes": 0.0,
         "sync/weight_gather_bytes": 0.0,
+        "sync/replicated_op_bytes": 0.0,
         "sync/collectives": float(len(report.collectives)),
         # Collectives whose size or group tfmp could not read: their bytes
         # are missing from the figures above (tfmp.comm_report names them).
