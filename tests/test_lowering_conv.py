@@ -271,8 +271,10 @@ def test_conv2d_family_split_with_small_kernels_gathered():
     splits and the transposed convolution run as Keras' own op on the kernel
     gathered whole. Forward, each gathers its kernel, and the channel split
     its input (which the filter split leaves split over its filters): no
-    all-reduce of partial sums."""
-    model = assert_parity(build_2d, rules(SPLIT_2D), *data((6, 6, 4)))
+    all-reduce of partial sums. 13 rows at batch 4 end with a batch of one,
+    which divides by no batch axis."""
+    x, y = data((6, 6, 4), samples=13)
+    model = assert_parity(build_2d, rules(SPLIT_2D), x, y, steps=4, batch_size=4)
     report = tfmp.comm_report(model, print_fn=lambda _: None)
     forward = [
         (c.kind, c.category, c.op.split("/")[1])

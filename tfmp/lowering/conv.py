@@ -278,7 +278,7 @@ def conv_transpose(
                 f"convolution maps to {plan.output}, not to the input's {size}. Use an "
                 "output_padding smaller than the stride."
             )
-    if _runs_natively(kernel, pinning, "channels_last", "fc"):  # `x` is channels last
+    if _runs_natively(kernel, pinning, data_format, "fc"):
         keras_conv_transpose = keras_original(_KERAS_NN, "conv_transpose")
         y = _native_conv(
             lambda x, k: keras_conv_transpose(x, k, strides, padding, output_padding, "channels_last", dilation_rate),

@@ -431,7 +431,7 @@ def _without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """`dataset` with tf.data's autotuning off, unless its options set it.
 
     An iterator read one element at a time beside the mesh's steps, with
-    autotuning on, took 0.2-0.3 s to close after a `fit` of ten 40 ms steps
+    autotuning on, took 170-275 ms to close after a `fit` of ten 40 ms steps
     and up to 2.6 s after a first step (plain Keras: 2 ms): each `fit`,
     `evaluate` and `predict` ended that much later. Off, it closes in 2 ms;
     `AUTOTUNE` settings then take tf.data's fixed defaults (a parallel
