@@ -41,6 +41,35 @@ def test_memory_monitor_logs_layout_bytes_to_history_and_tensorboard(tmp_path):
     assert "epoch_mem/CPU_0/param_bytes" in tags
 
 
+def tensorboard_events(logdir) -> dict:
+    """{tag: [value, ...]} of every event file under `logdir`."""
+    values = {}
+    for path in sorted(glob.glob(str(logdir / "**" / "events.out.tfevents.*"), recursive=True)):
+        for record in tf.data.TFRecordDataset(path):
+            for value in tf.compat.v1.Event.FromString(record.numpy()).summary.value:
+                values.setdefault(value.tag, []).append(tf.make_ndarray(value.tensor))
+    return values
+
+
+def test_tensorboard_histograms_of_split_weights_are_the_one_device_ones(tmp_path):
+    """Keras' TensorBoard(histogram_freq=1) histograms every weight, split
+    ones too, and logs every batch's loss; 37 rows end on a batch of 5."""
+    logs = {}
+    for name, strategy in (("one", None), ("mesh", strategy_2x4())):
+        model = build_on(strategy, "mlp", WEIGHTS)
+        board = keras.callbacks.TensorBoard(str(tmp_path / name), histogram_freq=1, update_freq="batch")
+        model.fit(*mlp_data(37), batch_size=8, epochs=2, verbose=0, callbacks=[board])
+        logs[name] = tensorboard_events(tmp_path / name)
+    assert len(logs["one"]["mlp/up/kernel/histogram"]) == 2 and len(logs["one"]["batch_loss"]) == 10
+    assert sorted(logs["mesh"]) == sorted(logs["one"])
+    for tag, want in logs["one"].items():
+        assert len(logs["mesh"][tag]) == len(want), tag
+        for got, expected in zip(logs["mesh"][tag], want):
+            if expected.dtype == object:  # the model's graph
+                continue
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=tag)
+
+
 def test_gradient_sync_traffic_of_a_column_row_mlp():
     model = build_on(strategy_2x4(), "mlp", WEIGHTS)
     monitor = tfmp.callbacks.GradientSyncMonitor()

@@ -13,6 +13,8 @@ divides by no batch axis here. The replica count and the reductions are
 compared with MirroredStrategy itself (docs/custom-loops.md).
 """
 
+import glob
+import os
 import warnings
 
 import keras
@@ -372,3 +374,74 @@ def test_an_elementwise_reduce_of_parts_of_unequal_rows_is_a_named_error():
     with pytest.raises(ValueError, match=r"5 rows.*2 replicas.*Pass axis=0"):
         strategy.reduce("SUM", outputs, axis=None)
     np.testing.assert_allclose(strategy.reduce("SUM", outputs, axis=0), DATA[0][:5].sum(0), rtol=1e-6)
+
+
+def summarized_program(strategy, logdir):
+    """TensorFlow's "TensorBoard in a custom training loop": each step's loss
+    and the split kernel's histogram, written with a writer that is dropped
+    as the function returns (as Orbit and Keras drop theirs). Returns the
+    losses, read only after the writer is gone, what the events file held
+    after each step's flush, and what it holds at the end: {tag: [(step,
+    value), ...]}."""
+    dataset = tf.data.Dataset.from_tensor_slices(DATA).batch(GLOBAL_BATCH_SIZE)
+    with strategy.scope():
+        model = build_mlp()
+        model.set_weights(WEIGHTS)
+        optimizer = keras.optimizers.Adam(0.01)
+    loss_object = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def train_step(batch):
+        def step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = loss_object(labels, model(features, training=True))
+            gradients = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+            return loss
+
+        return strategy.run(step, args=batch)
+
+    def events():
+        written = {}
+        for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+            for record in tf.data.TFRecordDataset(path):
+                event = tf.compat.v1.Event.FromString(record.numpy())
+                for value in event.summary.value:
+                    written.setdefault(value.tag, []).append((event.step, tf.make_ndarray(value.tensor)))
+        return written
+
+    def train():
+        writer = tf.summary.create_file_writer(logdir)
+        losses, flushed = [], []
+        for batch in strategy.experimental_distribute_dataset(dataset):
+            loss = train_step(batch)
+            with writer.as_default(step=optimizer.iterations):
+                tf.summary.scalar("loss", loss)
+                tf.summary.histogram("up_kernel", model.get_layer("up").kernel)
+            writer.flush()
+            flushed.append({tag: len(values) for tag, values in events().items()})
+            losses.append(loss)
+        return losses, flushed
+
+    losses, flushed = train()
+    return [float(loss) for loss in losses], flushed, events()
+
+
+def test_summaries_of_mesh_values_are_written_when_the_program_writes_them(tmp_path):
+    """DTensor queues the mesh's eager ops, and a writer's flush and deletion
+    run at once on the host: unless the values are fetched to the host
+    writer first, a flush can miss the step's values, and a write still
+    queued when the writer is dropped fails and poisons the losses read
+    afterwards. The histogram of a split kernel is computed from its whole
+    value, as on one device."""
+    want_losses, _, want = summarized_program(tf.distribute.get_strategy(), str(tmp_path / "one"))
+    device_mesh = mesh((2, 4))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, mlp_layout_map(device_mesh))
+    losses, flushed, got = summarized_program(strategy, str(tmp_path / "mesh"))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert flushed == [{"loss": step, "up_kernel": step} for step in range(1, 6)]
+    assert sorted(got) == sorted(want) == ["loss", "up_kernel"]
+    for tag in want:
+        assert [step for step, _ in got[tag]] == [step for step, _ in want[tag]] == [1, 2, 3, 4, 5]
+        for (_, value), (_, expected) in zip(got[tag], want[tag]):
+            np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)

@@ -18,6 +18,7 @@ from tfmp.strategy import (
     saving,
     sparse_division,
     steps_per_call,
+    summaries,
     tf_keras_hooks,
     variable,
     watchdog,
@@ -282,6 +283,31 @@ KERAS_ON_IMPORT = (
 )
 
 TENSORFLOW = (
+    *(
+        Patch(
+            "tensorflow.python.ops.gen_summary_ops",
+            name,
+            summaries.written_from_host,
+            "DTensor queues an eager op on the mesh, and a host summary writer's "
+            "flush and deletion run at once: a scalar of a mesh loss written just "
+            "before Orbit or Keras dropped its writer failed ('SummaryWriterInterface "
+            "does not exist') and poisoned every later op.",
+            parameters=("writer", "step", "tensor"),
+        )
+        for name in ("write_summary", "write_raw_proto_summary")
+    ),
+    *(
+        Patch(
+            "tensorflow.summary",
+            name,
+            summaries.computed_from_host,
+            "TensorBoard computes a histogram, image or audio summary from its "
+            "data next to host tensors, which DTensor refuses for mesh data: "
+            "Keras' TensorBoard(histogram_freq=1) stopped at the first epoch's end.",
+            parameters=("name", "data"),
+        )
+        for name in ("histogram", "image", "audio")
+    ),
     Patch(
         "tensorflow.python.eager.context:Context",
         "call_function",
