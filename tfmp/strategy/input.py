@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import tensorflow as tf
 
-from tfmp import distributed
 from tfmp.integrations.internals import distribute_types, input_lib
 from tfmp.strategy.graph_capture import FirstStepGraphs
 from tfmp.strategy.graph_input import GraphBatches
@@ -243,11 +242,7 @@ class MeshIterator(distribute_types.Iterator):
     is the last (a partial last batch is laid out to stay exact). Packing the
     shards onto the mesh happens in the caller's thread, when the batch is
     asked for: DTensor's device is not safe to use from two threads at once
-    (a worker packing while a step ran crashed the process now and then). In
-    a multi-client run the batch is also cut in the caller's thread, still
-    one step ahead: there, a worker thread's eager ops broke Orbit's summary
-    writer ("Resource .../SummaryWriterInterface does not exist" in the run
-    after a restore).
+    (a worker packing while a step ran crashed the process now and then).
 
     Nothing is read before the first eager `next()`. A `next()` or
     `get_next_as_optional()` traced into a `tf.function` instead hands the
@@ -273,25 +268,14 @@ class MeshIterator(distribute_types.Iterator):
         self._known_length = known_length
         self._first_step_graphs = first_step_graphs
         first_step_graphs.on_new_iterator()
-        self._worker = (
-            None
-            if distributed.cluster()
-            else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfmp-input")
-        )
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfmp-input")
         self._ahead: concurrent.futures.Future | None = None
         self._graph_batches: GraphBatches | None = None
 
     def _submit(self, batch: Any) -> concurrent.futures.Future:
         """Cuts `batch` into shards (and reads the one after it) on the worker
-        thread, or now where there is none."""
-        if self._worker is not None:
-            return self._worker.submit(self._split_next, batch)
-        split = concurrent.futures.Future()
-        try:
-            split.set_result(self._split_next(batch))
-        except Exception as error:  # raised when the batch is asked for, as on the worker
-            split.set_exception(error)
-        return split
+        thread."""
+        return self._worker.submit(self._split_next, batch)
 
     def _pull(self) -> Any:
         try:
@@ -324,8 +308,7 @@ class MeshIterator(distribute_types.Iterator):
             self._ahead = self._submit(self._pull())
         ahead = self._ahead.result()
         if ahead is None:
-            if self._worker is not None:
-                self._worker.shutdown(wait=False)
+            self._worker.shutdown(wait=False)
             self._first_step_graphs.finish()
             if self._known_length:
                 raise StopIteration
@@ -355,8 +338,7 @@ class MeshIterator(distribute_types.Iterator):
                     "or keep reading this one eagerly."
                 )
             self._graph_batches = GraphBatches(self._host_iterator, self._placer)
-            if self._worker is not None:
-                self._worker.shutdown(wait=False)
+            self._worker.shutdown(wait=False)
         return self._graph_batches
 
     def get_next_as_optional(self) -> "BatchOptional":
