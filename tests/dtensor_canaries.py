@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -303,6 +304,41 @@ def _stack():
 def _host_capture():
     host = tf.constant(ROWS)
     return refusal(lambda x: x + host, SPLIT_ROWS, says="expecting a DTensor")
+
+
+def _eager_refusal(write: Callable[[], Any], says: str) -> tuple[bool, str]:
+    """Whether `write()`, eager, under a host summary writer, still fails
+    with `says` in its error."""
+    with tempfile.TemporaryDirectory() as logdir:
+        writer = tf.summary.create_file_writer(logdir)
+        try:
+            with writer.as_default():
+                write()
+        except Exception as error:  # noqa: BLE001
+            words = str(error)
+            if says in words:
+                return True, f"refuses: ...{_around(words, says)}..."
+            return False, f"fails otherwise: {_first_line(words)}"
+        finally:
+            writer.close()
+    return False, "writes it"
+
+
+@probe(
+    "tf.write_summary", "the summary-write patch (tfmp/strategy/summaries.py)",
+    covers=("tf.write_raw_proto_summary",),
+)
+def _summary_at_a_mesh_step():
+    """A host value at a step on the mesh (an optimizer's iterations) is
+    refused; a mesh value is written as a queued mesh op, after a flush or
+    deletion of the writer that ran at once (not probed: it is a race)."""
+    step = dtensor.DVariable(on_mesh(np.int64(1)))
+    return _eager_refusal(lambda: tf.summary.write("rows", tf.constant(ROWS), step=step), says="expecting a DTensor")
+
+
+@probe("tf.histogram", "the summary patch (tfmp/strategy/summaries.py)", covers=("tf.image", "tf.audio"))
+def _histogram_of_mesh_data():
+    return _eager_refusal(lambda: tf.summary.histogram("rows", SPLIT_ROWS, step=1), says="expecting a DTensor")
 
 
 @probe("tf.Relayout", "the Relayout gradient patch (tfmp/strategy/variable.py)")
