@@ -55,8 +55,12 @@ def whole(value: tf.Tensor) -> np.ndarray:
 
 def refusal(fn: Callable, *inputs: tf.Tensor, says: str) -> tuple[bool, str]:
     """Whether `tf.function(fn)(*inputs)` still fails with `says` in its error."""
+    return _refused(lambda: tf.function(fn)(*inputs), says)
+
+
+def _refused(run: Callable[[], Any], says: str) -> tuple[bool, str]:
     try:
-        tf.function(fn)(*inputs)
+        run()
     except Exception as error:  # noqa: BLE001 (any error is what DTensor did)
         words = str(error)
         if says in words:
@@ -311,17 +315,10 @@ def _eager_refusal(write: Callable[[], Any], says: str) -> tuple[bool, str]:
     with `says` in its error."""
     with tempfile.TemporaryDirectory() as logdir:
         writer = tf.summary.create_file_writer(logdir)
-        try:
-            with writer.as_default():
-                write()
-        except Exception as error:  # noqa: BLE001
-            words = str(error)
-            if says in words:
-                return True, f"refuses: ...{_around(words, says)}..."
-            return False, f"fails otherwise: {_first_line(words)}"
-        finally:
-            writer.close()
-    return False, "writes it"
+        with writer.as_default():
+            refused = _refused(write, says)
+        writer.close()
+    return refused
 
 
 @probe(

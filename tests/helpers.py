@@ -53,6 +53,18 @@ def run_in_fresh_process(program: str, timeout: float = 300) -> subprocess.Compl
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def summary_events(logdir) -> dict:
+    """{tag: [(step, value), ...]} of every TensorBoard event file under
+    `logdir`, in the order they were written."""
+    written = {}
+    for path in sorted(pathlib.Path(logdir).glob("**/events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                written.setdefault(value.tag, []).append((event.step, tf.make_ndarray(value.tensor)))
+    return written
+
+
 def mesh(shape, axis_names=None) -> tfmp.DeviceMesh:
     """A mesh whose last axes are ("stage", "batch", "model"), by default."""
     axis_names = axis_names or ("stage", "batch", "model")[-len(shape):]

@@ -10,7 +10,7 @@ from tensorflow.experimental import dtensor
 
 import tfmp
 from tfmp.callbacks.plot import _memory_figure, _memory_series
-from helpers import MODELS, build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map
+from helpers import MODELS, build_mlp, build_on, initial_weights, mesh, mlp_data, mlp_layout_map, summary_events
 
 WEIGHTS = initial_weights(build_mlp)
 # Per device on 2x4: up 16x32/4 + 32/4, down 32x8/4 + 8 (bias replicated).
@@ -41,16 +41,6 @@ def test_memory_monitor_logs_layout_bytes_to_history_and_tensorboard(tmp_path):
     assert "epoch_mem/CPU_0/param_bytes" in tags
 
 
-def tensorboard_events(logdir) -> dict:
-    """{tag: [value, ...]} of every event file under `logdir`."""
-    values = {}
-    for path in sorted(glob.glob(str(logdir / "**" / "events.out.tfevents.*"), recursive=True)):
-        for record in tf.data.TFRecordDataset(path):
-            for value in tf.compat.v1.Event.FromString(record.numpy()).summary.value:
-                values.setdefault(value.tag, []).append(tf.make_ndarray(value.tensor))
-    return values
-
-
 def test_tensorboard_histograms_of_split_weights_are_the_one_device_ones(tmp_path):
     """Keras' TensorBoard(histogram_freq=1) histograms every weight, split
     ones too, and logs every batch's loss; 37 rows end on a batch of 5."""
@@ -59,12 +49,12 @@ def test_tensorboard_histograms_of_split_weights_are_the_one_device_ones(tmp_pat
         model = build_on(strategy, "mlp", WEIGHTS)
         board = keras.callbacks.TensorBoard(str(tmp_path / name), histogram_freq=1, update_freq="batch")
         model.fit(*mlp_data(37), batch_size=8, epochs=2, verbose=0, callbacks=[board])
-        logs[name] = tensorboard_events(tmp_path / name)
+        logs[name] = summary_events(tmp_path / name)
     assert len(logs["one"]["mlp/up/kernel/histogram"]) == 2 and len(logs["one"]["batch_loss"]) == 10
     assert sorted(logs["mesh"]) == sorted(logs["one"])
     for tag, want in logs["one"].items():
         assert len(logs["mesh"][tag]) == len(want), tag
-        for got, expected in zip(logs["mesh"][tag], want):
+        for (_, got), (_, expected) in zip(logs["mesh"][tag], want):
             if expected.dtype == object:  # the model's graph
                 continue
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=tag)

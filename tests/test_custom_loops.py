@@ -13,8 +13,6 @@ divides by no batch axis here. The replica count and the reductions are
 compared with MirroredStrategy itself (docs/custom-loops.md).
 """
 
-import glob
-import os
 import warnings
 
 import keras
@@ -24,7 +22,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfmp
-from helpers import assert_weights_close, build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map
+from helpers import assert_weights_close, build_mlp, initial_weights, mesh, mlp_data, mlp_layout_map, summary_events
 
 GLOBAL_BATCH_SIZE = 8
 WEIGHTS = initial_weights(build_mlp)
@@ -401,15 +399,6 @@ def summarized_program(strategy, logdir):
 
         return strategy.run(step, args=batch)
 
-    def events():
-        written = {}
-        for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-            for record in tf.data.TFRecordDataset(path):
-                event = tf.compat.v1.Event.FromString(record.numpy())
-                for value in event.summary.value:
-                    written.setdefault(value.tag, []).append((event.step, tf.make_ndarray(value.tensor)))
-        return written
-
     def train():
         writer = tf.summary.create_file_writer(logdir)
         losses, flushed = [], []
@@ -419,12 +408,12 @@ def summarized_program(strategy, logdir):
                 tf.summary.scalar("loss", loss)
                 tf.summary.histogram("up_kernel", model.get_layer("up").kernel)
             writer.flush()
-            flushed.append({tag: len(values) for tag, values in events().items()})
+            flushed.append({tag: len(values) for tag, values in summary_events(logdir).items()})
             losses.append(loss)
         return losses, flushed
 
     losses, flushed = train()
-    return [float(loss) for loss in losses], flushed, events()
+    return [float(loss) for loss in losses], flushed, summary_events(logdir)
 
 
 def test_summaries_of_mesh_values_are_written_when_the_program_writes_them(tmp_path):
