@@ -176,6 +176,55 @@ def test_lstm_gru_simple_rnn_gates_split():
     )
 
 
+def build_two_layer(layer) -> keras.Model:
+    tokens = keras.Input((SEQ * 2,), dtype="int32")
+    x = keras.layers.Embedding(10, 4, mask_zero=True, name="embedding")(tokens)
+    x = layer(4, return_sequences=True, name="first")(x)
+    x = layer(4, name="second")(x)
+    return keras.Model(tokens, keras.layers.Dense(2, name="head")(x))
+
+
+def _batch_collectives_in_loops(model) -> list[str]:
+    collectives = tfmp.comm_report(model, print_fn=lambda text: None).collectives
+    return [c.op for c in collectives if "while/" in c.op and "batch" in c.axes]
+
+
+@pytest.mark.parametrize(
+    "layer,mesh_shape",
+    [
+        (keras.layers.GRU, (8, 1)),
+        (keras.layers.GRU, (2, 4)),
+        (keras.layers.LSTM, (8, 1)),
+        (keras.layers.LSTM, (2, 4)),
+        (keras.layers.SimpleRNN, (8, 1)),
+    ],
+)
+def test_weights_gradient_is_reduced_over_the_batch_once_per_step(layer, mesh_shape, monkeypatch):
+    """A recurrence's weights gradient sums over time steps and rows. Over a
+    split batch, no step of the backward loop all-reduces it over "batch":
+    a GRU reads slices of its bias, whose gradient DTensor all-reduces in
+    every iteration on 8x1 (shown below with the gradient taken step by step;
+    on 2x4, with the bias split over "model", it did not), and takes it over
+    all time steps at once after the loop; an LSTM's and a
+    SimpleRNN's stay partial sums through the loop. Masked sequences, 25
+    rows at batch 8 (a last batch of 1)."""
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(1, 10, size=(25, SEQ * 2)).astype("int32")
+    tokens[::3, 4:] = 0
+    y = rng.normal(size=(25, 2)).astype("float32")
+    cell = {keras.layers.GRU: GRU_GATES, keras.layers.LSTM: LSTM_GATES}.get(layer, SIMPLE_RNN_UNITS)
+
+    def fit():
+        return assert_parity(
+            lambda: build_two_layer(layer), rules(cell), tokens, y, mesh_shape=mesh_shape, steps=4, batch_size=8
+        )
+
+    assert not _batch_collectives_in_loops(fit())
+    if layer is keras.layers.GRU and mesh_shape == (8, 1):
+        monkeypatch.setattr(rnn_lowering, "_row_wise_cells", lambda step_function: None)
+        assert _batch_collectives_in_loops(fit())
+
+
 def build_cells() -> keras.Model:
     cells = [
         MinimalCell(4),

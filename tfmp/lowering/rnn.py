@@ -21,9 +21,11 @@ a mesh.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from typing import Any, Callable, NoReturn
 
+import keras
 import tensorflow as tf
 from tensorflow.python.ops import tensor_array_ops
 from keras.src import tree
@@ -37,6 +39,8 @@ from tfmp.lowering.registry import Lowering, keras_original
 from tfmp.lowering.rnn_loop import looped_rnn
 
 _BACKEND = "keras.src.backend"
+# Keras' cells whose step computes each row of a batch on its own.
+_ROW_WISE_CELLS = (keras.layers.LSTMCell, keras.layers.GRUCell, keras.layers.SimpleRNNCell)
 _KERAS_RNN = "keras.src.backend.tensorflow.rnn"
 _NUMPY = "keras.src.backend.tensorflow.numpy"
 
@@ -100,6 +104,7 @@ def rnn(
         time_major,
         zero_output_for_mask,
         return_all_outputs,
+        row_wise_cells=_row_wise_cells(step_function),
     )
     if looped is not None:
         return looped
@@ -136,6 +141,19 @@ def rnn(
         # when it zeroes masked outputs; the loop's answer is the last output.
         outputs = tf.expand_dims(last_output, time_axis)
     return last_output, outputs, states
+
+
+def _row_wise_cells(step_function: Callable) -> list | None:
+    """The cells of Keras' RNN step `step_function` (the `step` its
+    `RNN.inner_loop` passes, which holds the layer as `self`) when each is one
+    of Keras' own cells, which compute every row of a batch on its own; else
+    None (a cell of the user's own may mix rows)."""
+    layer = inspect.getclosurevars(step_function).nonlocals.get("self")
+    cell = getattr(layer, "cell", None) if isinstance(layer, keras.layers.RNN) else None
+    cells = cell.cells if isinstance(cell, keras.layers.StackedRNNCells) else [cell]
+    if all(type(c) in _ROW_WISE_CELLS for c in cells):
+        return cells
+    return None
 
 
 def generic_recurrence(*args: Any, **kwargs: Any) -> NoReturn:
