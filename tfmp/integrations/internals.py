@@ -26,13 +26,15 @@ from keras.src.utils import io_utils as keras_io_utils  # noqa: F401
 
 # TensorFlow: the eager context (devices, the coordination service), the
 # tf.distribute base classes a strategy and its datasets derive from, the
-# raw ops and iterators of graph input, and the coordination service's config.
+# raw ops and iterators of graph input, the coordination service's config,
+# and the tags of a function's error messages.
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # noqa: F401
 from tensorflow.dtensor.python import api as dtensor_api  # noqa: F401
 from tensorflow.python.data.ops import multi_device_iterator_ops  # noqa: F401
 from tensorflow.python.distribute import distribute_lib, input_lib  # noqa: F401
 from tensorflow.python.eager import context as eager_context  # noqa: F401
 from tensorflow.python.framework import dtypes as tf_dtypes  # noqa: F401
+from tensorflow.python.framework import error_interpolation as tf_error_interpolation  # noqa: F401
 from tensorflow.python.framework import ops as tf_ops  # noqa: F401
 from tensorflow.python.ops import gen_dataset_ops, gen_math_ops  # noqa: F401
 from tensorflow.python.types import distribute as distribute_types  # noqa: F401

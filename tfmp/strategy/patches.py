@@ -11,6 +11,7 @@ from tfmp.integrations import Patch
 from tfmp.strategy import (
     backups,
     epoch_iterator,
+    errors,
     extended,
     keras_distribution,
     keras_hooks,
@@ -335,6 +336,15 @@ TENSORFLOW = (
         "table-sized tensor, whose split DTensor pushes back onto those rows "
         "and cannot cut: the first step stops.",
         parameters=("data", "segment_ids", "num_segments", "name"),
+    ),
+    Patch(
+        "tensorflow.python.framework.error_interpolation",
+        "parse_message",
+        errors.tags_found_in_one_pass,
+        "TensorFlow parses every function error's message in time quadratic in "
+        "its length before anyone sees the error: a DTensor expansion error "
+        "carrying a 421,000-character module held fit silent for over 15 minutes.",
+        parameters=("message",),
     ),
     Patch(
         "tensorflow.python.framework.func_graph:FuncGraph",
