@@ -189,34 +189,39 @@ def _batch_collectives_in_loops(model) -> list[str]:
     return [c.op for c in collectives if "while/" in c.op and "batch" in c.axes]
 
 
+def _gru_with_dropout(units, **kwargs):
+    return keras.layers.GRU(units, dropout=0.25, recurrent_dropout=0.25, **kwargs)
+
+
 @pytest.mark.parametrize(
-    "layer,mesh_shape",
+    "layer,gates,mesh_shape",
     [
-        (keras.layers.GRU, (8, 1)),
-        (keras.layers.GRU, (2, 4)),
-        (keras.layers.LSTM, (8, 1)),
-        (keras.layers.LSTM, (2, 4)),
-        (keras.layers.SimpleRNN, (8, 1)),
+        (keras.layers.GRU, GRU_GATES, (8, 1)),
+        (keras.layers.GRU, GRU_GATES, (2, 4)),
+        (_gru_with_dropout, GRU_GATES, (8, 1)),
+        (keras.layers.LSTM, LSTM_GATES, (8, 1)),
+        (keras.layers.LSTM, LSTM_GATES, (2, 4)),
+        (keras.layers.SimpleRNN, SIMPLE_RNN_UNITS, (8, 1)),
     ],
+    ids=["gru-8x1", "gru-2x4", "gru_dropout-8x1", "lstm-8x1", "lstm-2x4", "simple_rnn-8x1"],
 )
-def test_weights_gradient_is_reduced_over_the_batch_once_per_step(layer, mesh_shape, monkeypatch):
+def test_weights_gradient_is_reduced_over_the_batch_once_per_step(layer, gates, mesh_shape, monkeypatch):
     """A recurrence's weights gradient sums over time steps and rows. Over a
     split batch, no step of the backward loop all-reduces it over "batch":
     a GRU reads slices of its bias, whose gradient DTensor all-reduces in
     every iteration on 8x1 (shown below with the gradient taken step by step;
     on 2x4, with the bias split over "model", it did not), and takes it over
-    all time steps at once after the loop; an LSTM's and a
-    SimpleRNN's stay partial sums through the loop. Masked sequences, 25
-    rows at batch 8 (a last batch of 1)."""
+    all time steps at once after the loop, its dropout masks repeated for
+    every step; an LSTM's and a SimpleRNN's stay partial sums through the
+    loop. Masked sequences, 25 rows at batch 8 (a last batch of 1)."""
     rng = np.random.default_rng(6)
     tokens = rng.integers(1, 10, size=(25, SEQ * 2)).astype("int32")
     tokens[::3, 4:] = 0
     y = rng.normal(size=(25, 2)).astype("float32")
-    cell = {keras.layers.GRU: GRU_GATES, keras.layers.LSTM: LSTM_GATES}.get(layer, SIMPLE_RNN_UNITS)
 
     def fit():
         return assert_parity(
-            lambda: build_two_layer(layer), rules(cell), tokens, y, mesh_shape=mesh_shape, steps=4, batch_size=8
+            lambda: build_two_layer(layer), rules(gates), tokens, y, mesh_shape=mesh_shape, steps=4, batch_size=8
         )
 
     assert not _batch_collectives_in_loops(fit())

@@ -23,7 +23,8 @@ traced. For those, `looped_rnn` returns None and the caller unrolls.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple
 
 import tensorflow as tf
 from keras.src import tree
@@ -134,7 +135,9 @@ def looped_rnn(
         def all_steps_gradients(upstream):
             """The variables' gradient from every time step at once: the steps
             run again as the rows of one batch, under one tape."""
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
+            with _dropout_masks_as_rows(row_wise_cells, steps), tf.GradientTape(
+                watch_accessed_variables=False
+            ) as tape:
                 tape.watch(step_variables)
                 output, new_states = cell(
                     [_as_rows(x) for x in xs],
@@ -157,15 +160,9 @@ def looped_rnn(
         # in every iteration (a GRU on 8x1 stepped 3.4x slower than with the
         # sum taken after the loop). The steps then run again after the
         # loop, as the rows of one batch, for the variables' gradient: a cell
-        # must compute each row on its own, hold no dropout mask (cached for
-        # the batch, not for rows), and the number of steps be known when
-        # traced (DTensor cannot lay out the rows' reshape otherwise).
-        all_at_once = (
-            probed.slices_a_variable
-            and isinstance(steps, int)
-            and row_wise_cells is not None
-            and not any(map(_holds_dropout_masks, row_wise_cells))
-        )
+        # must compute each row on its own, and the number of steps be known
+        # when traced (DTensor cannot lay out the rows' reshape otherwise).
+        all_at_once = probed.slices_a_variable and isinstance(steps, int) and row_wise_cells is not None
         per_step_variables = [] if all_at_once else step_variables
 
         def backward(d_outputs, d_last, *d_final_states):
@@ -296,9 +293,24 @@ def _as_rows(buffer: tf.Tensor) -> tf.Tensor:
     return tf.reshape(batch_first, [-1, *buffer.shape[2:]])
 
 
-def _holds_dropout_masks(cell: Any) -> bool:
-    """Whether a Keras cell holds the dropout masks of the batch it runs."""
-    return any(getattr(cell, name, None) is not None for name in ("_dropout_mask", "_recurrent_dropout_mask"))
+@contextlib.contextmanager
+def _dropout_masks_as_rows(cells: list, steps: int) -> Iterator[None]:
+    """Each Keras cell's dropout masks, which it draws once per batch and
+    caches (one row per sequence), repeated for every time step of their
+    sequence while the steps run as rows (`_as_rows`)."""
+    cached = [
+        (cell, name, getattr(cell, name))
+        for cell in cells
+        for name in ("_dropout_mask", "_recurrent_dropout_mask")
+        if getattr(cell, name, None) is not None
+    ]
+    for cell, name, mask in cached:
+        setattr(cell, name, tf.nest.map_structure(lambda m: _as_rows(tf.broadcast_to(m, [steps, *m.shape])), mask))
+    try:
+        yield
+    finally:
+        for cell, name, mask in cached:
+            setattr(cell, name, mask)
 
 
 def _time_buffer(steps: Any, row: tf.Tensor) -> tf.Tensor:

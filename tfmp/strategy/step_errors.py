@@ -40,7 +40,3 @@ def _read(logs: dict | None) -> None:
 def with_step_errors(callbacks: Any) -> Any:
     """`callbacks` (None, a list or a `CallbackList`) with a `StepErrors`."""
     return with_callback(callbacks, StepErrors, StepErrors)
-    callbacks = list(callbacks or [])
-    if not any(isinstance(callback, StepErrors) for callback in callbacks):
-        callbacks.append(StepErrors())
-    return callbacks
