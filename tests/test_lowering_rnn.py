@@ -1,5 +1,6 @@
 """Recurrent layers and sequence reversal on a mesh: parity with one device."""
 
+import functools
 import importlib
 
 import keras
@@ -24,6 +25,7 @@ from helpers import (
 from tfmp.forward import forward_on
 from tfmp.layout import replicated
 from tfmp.lowering import rnn as rnn_lowering
+from tfmp.lowering.registry import keras_original
 
 SEQ, FEATURES, BATCH = 3, 3, 12  # 3 training steps of 4 rows
 
@@ -228,6 +230,28 @@ def test_weights_gradient_is_reduced_over_the_batch_once_per_step(layer, gates, 
     if layer is keras.layers.GRU and mesh_shape == (8, 1):
         monkeypatch.setattr(rnn_lowering, "_row_wise_cells", lambda step_function: None)
         assert _batch_collectives_in_loops(fit())
+
+
+def test_row_wise_cells_are_keras_own_and_anything_else_is_not():
+    """The weights gradient is taken after the loop only for Keras' own
+    cells, found in the step Keras' RNN layer passes; a step of any other
+    kind (a partial, a plain function, a cell of the user's own) is not."""
+    steps = []
+
+    def recorded(step_function, *args, **kwargs):
+        steps.append(step_function)
+        return keras_original("keras.src.backend.tensorflow.rnn", "rnn")(step_function, *args, **kwargs)
+
+    x = np.zeros((2, 3, 4), "float32")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "rnn", recorded)
+        for layer in (keras.layers.GRU(2), keras.layers.RNN(keras.layers.StackedRNNCells([MinimalCell(2)]))):
+            layer(x)
+    gru, custom = (rnn_lowering._row_wise_cells(step) for step in steps)
+    assert [type(cell) for cell in gru] == [keras.layers.GRUCell]
+    assert custom is None
+    assert rnn_lowering._row_wise_cells(functools.partial(_elman)) is None
+    assert rnn_lowering._row_wise_cells(_elman) is None
 
 
 def build_cells() -> keras.Model:

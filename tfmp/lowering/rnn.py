@@ -148,7 +148,10 @@ def _row_wise_cells(step_function: Callable) -> list | None:
     `RNN.inner_loop` passes, which holds the layer as `self`) when each is one
     of Keras' own cells, which compute every row of a batch on its own; else
     None (a cell of the user's own may mix rows)."""
-    layer = inspect.getclosurevars(step_function).nonlocals.get("self")
+    try:
+        layer = inspect.getclosurevars(step_function).nonlocals.get("self")
+    except (TypeError, ValueError):  # not a Python function; a closure cell still empty
+        return None
     cell = getattr(layer, "cell", None) if isinstance(layer, keras.layers.RNN) else None
     cells = cell.cells if isinstance(cell, keras.layers.StackedRNNCells) else [cell]
     if all(type(c) in _ROW_WISE_CELLS for c in cells):
