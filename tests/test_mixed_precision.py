@@ -16,7 +16,8 @@ lucky close (on a CPU with AVX512_BF16 one device's bf16 loss came 0.0011
 from float64 as given and 0.0075 reversed, the mesh's 0.0034). float16
 losses are also held to one float16 rounding (2**-11 relative) of one
 device's, and the loss scale and the steps skipped must be exactly one
-device's. Variables in bfloat16 (Keras' `"bfloat16"` policy)
+device's; its weights by each variable's root-mean-square difference
+(the test says why). Variables in bfloat16 (Keras' `"bfloat16"` policy)
 get the layouts float32 ones get, from rules, `fully_shard` and `"auto"`.
 """
 
@@ -100,6 +101,11 @@ def largest_difference(a, b):
     return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b, strict=True))
 
 
+def rms_difference(a, b) -> float:
+    """The largest root-mean-square difference of two lists of weights, variable by variable."""
+    return max(float(np.sqrt(np.mean((p - q) ** 2))) for p, q in zip(a, b, strict=True))
+
+
 def distance(run, reference):
     """The largest loss and weight differences of a `(losses, weights)` run from another."""
     (losses, weights), (reference_losses, reference_weights) = run, reference
@@ -154,9 +160,16 @@ def test_mixed_float16_with_loss_scaling_matches_one_device_to_rounding(lm_weigh
     assert not all(applied)  # some steps were skipped
     # The exact answer: float64 trained on the batches float16 applied.
     exact_weights = fit_lm(lm_weights, "float64", batches=np.flatnonzero(applied))[1]
-    one_device = [largest_difference(runs[name][1], exact_weights) for name in ("one device", "rows reversed")]
-    on_mesh = largest_difference(mesh_weights, exact_weights)
-    print(f"weights to float64: one device {one_device[0]:.2e}, rows reversed {one_device[1]:.2e}, mesh {on_mesh:.2e}")
+    # Weights are compared by each variable's root-mean-square difference:
+    # where a coordinate's gradient is near zero, float16's rounding picks
+    # the sign of Adam's lr-sized step (on a CPU with AVX512_FP16 and AMX,
+    # one embedding coordinate of the mesh moved 0.018 the other way from
+    # float64's, 0.032 apart, where one device's two orders kept the sign;
+    # per variable, the mesh's RMS was 1.04e-3 against one device's 1.07e-3
+    # and 1.27e-3), and the largest single coordinate would measure that luck.
+    one_device = [rms_difference(runs[name][1], exact_weights) for name in ("one device", "rows reversed")]
+    on_mesh = rms_difference(mesh_weights, exact_weights)
+    print(f"weights to float64 (RMS): one device {one_device[0]:.2e}, rows reversed {one_device[1]:.2e}, mesh {on_mesh:.2e}")
     # Reversed rows reorder the batch's sums only, not those over features
     # the "model" axis splits: the losses are held to one float16 rounding.
     np.testing.assert_allclose(mesh_losses, losses, rtol=FLOAT16_ROUNDOFF)
