@@ -257,7 +257,11 @@ def _probed_step(cell: Callable, inputs: list, states: list, mask: Any, constant
     captured = [t for t in probe.external_captures if t.dtype != tf.resource and t.dtype.is_floating]
     if captured and record.should_record_backprop(captured):
         return None
-    sliced = any(op.type in _SLICES and _reads_variable(op.inputs[0].op) for op in probe.get_operations())
+    # A slice's value is its first input, `Split`'s its second.
+    sliced = any(
+        op.type in _SLICES and any(_reads_variable(value.op) for value in op.inputs[:2])
+        for op in probe.get_operations()
+    )
     return _ProbedStep(list(tape.watched_variables()), sliced)
 
 
