@@ -92,6 +92,8 @@ def main() -> None:
     if options.child:
         print(json.dumps(child(*options.child)))
         return
+    if options.baseline is None:
+        parser.error("--baseline: give another checkout of tfmp to compare with (git worktree add ...)")
     trees = {"this": HERE.parent, "baseline": options.baseline.resolve()}
     for cell in options.cells.split(","):
         for shape in options.meshes.split(","):
