@@ -310,6 +310,24 @@ def _host_capture():
     return refusal(lambda x: x + host, SPLIT_ROWS, says="expecting a DTensor")
 
 
+@probe("tf.function_call_options", "the Grappler patch (tfmp/strategy/grappler.py)")
+def _grappler_folds_with_whole_shapes():
+    """Each device's graph keeps the whole kernel's shape on its shard, and
+    Grappler's constant folding makes `zeros_like` of a product with it that
+    wide: the result's shards are wider than its layout says. The batch is
+    unknown when traced (a last partial batch), so `zeros_like` stays an op."""
+    kernel = dtensor.DVariable(on_mesh(ROWS[:3, :4], U, "model"))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None, 1], tf.bool)])
+    def masked(x, keep):
+        product = tf.matmul(x, kernel)
+        return tf.where(keep, product, tf.zeros_like(product))
+
+    result = masked(on_mesh(ROWS[:1, :3]), on_mesh(np.array([[True]])))
+    shapes = {tuple(shard.shape) for shard in dtensor.unpack(result)}
+    return shapes != {(1, 1)}, f"shards of shapes {sorted(shapes)} for a [1, 4] result split in 4"
+
+
 def _eager_refusal(write: Callable[[], Any], says: str) -> tuple[bool, str]:
     """Whether `write()`, eager, under a host summary writer, still fails
     with `says` in its error."""

@@ -57,6 +57,8 @@ def test_every_patched_target_exists_with_the_parameters_its_wrapper_uses(entry)
         )
         return
     original = patch.original()
+    if isinstance(original, property):
+        original = original.fget
     original = getattr(original, "__wrapped__", original)  # installed already in this session
     parameters = inspect.signature(original).parameters
     missing = [name for name in patch.parameters if name not in parameters]

@@ -13,6 +13,7 @@ from tfmp.strategy import (
     epoch_iterator,
     errors,
     extended,
+    grappler,
     keras_distribution,
     keras_hooks,
     orbit_loops,
@@ -326,6 +327,15 @@ TENSORFLOW = (
         "and Keras' optimizers update only a sparse gradient's rows.",
         parameters=("op", "grad"),
         kind="gradient",
+    ),
+    Patch(
+        "tensorflow.python.eager.context:Context",
+        "function_call_options",
+        grappler.without_grappler,
+        "DTensor leaves a whole variable's shape on each device's shard, and "
+        "Grappler rewrites the per-device graphs by it: a masked SimpleRNN's "
+        "zeros_like was folded 4 times too wide and its step stopped ('Matrix "
+        "size-incompatible'), where a broadcast would have computed wrong values.",
     ),
     Patch(
         "tensorflow.python.ops.gen_math_ops",
