@@ -485,7 +485,7 @@ def layout_axes(layout: dtensor.Layout) -> Axes:
     return tuple(None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs)
 
 
-def replicated(value: Any, mesh: dtensor.Mesh) -> Any:
+def replicated(value: Any, mesh: dtensor.Mesh, sequence_axis: str | None = None) -> Any:
     """`value`, a DTensor on `mesh`, whole on every device of it.
 
     Gathered so that each relayout gathers one mesh axis where possible. With
@@ -500,7 +500,11 @@ def replicated(value: Any, mesh: dtensor.Mesh) -> Any:
     function it is not, and DTensor allows one `MATCH` (keep as it is) per
     layout: first every dimension but the first is gathered, then the first;
     exact for a tensor split on its first dimension and at most one other
-    (an activation split over the batch and one feature axis).
+    (an activation split over the batch and one feature axis). Under context
+    parallelism (`sequence_axis`) an activation can be split on its second
+    dimension over that axis and on a later one over another: then the later
+    ones are gathered first, while the second is split over `sequence_axis`
+    (which moves nothing where it is split so already), then the second.
     """
     rank = value.shape.rank
     if not rank:
@@ -513,5 +517,13 @@ def replicated(value: Any, mesh: dtensor.Mesh) -> Any:
                 value = dtensor.relayout(value, dtensor.Layout(specs, mesh))
         return value
     keep_first = [dtensor.MATCH] + [dtensor.UNSHARDED] * (rank - 1)
+    if (
+        sequence_axis in mesh.dim_names
+        and rank >= 3
+        and value.shape[1] is not None
+        and value.shape[1] % mesh.dim_size(sequence_axis) == 0
+    ):
+        keep_sequence = [dtensor.MATCH, sequence_axis] + [dtensor.UNSHARDED] * (rank - 2)
+        value = dtensor.relayout(value, dtensor.Layout(keep_sequence, mesh))
     value = dtensor.relayout(value, dtensor.Layout(keep_first, mesh))
     return dtensor.relayout(value, dtensor.Layout.replicated(mesh, rank))

@@ -1,6 +1,7 @@
 """Activations laid out in a traced step: a layer's output by its
-`LayoutMap["<layer path>/output"]` rule, else by sequence parallelism, and
-an attention layer's inputs gathered whole under sequence parallelism.
+`LayoutMap["<layer path>/output"]` rule, else by sequence or context
+parallelism; an attention layer's inputs gathered whole under sequence
+parallelism, its keys and values under context parallelism.
 
 Under a Keras distribution Keras' own `Layer.__call__` looks the output rule
 up and calls `distribute_tensor`; for a tfmp strategy the patched
@@ -10,15 +11,23 @@ up and calls `distribute_tensor`; for a tfmp strategy the patched
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
 
 from tfmp.forward import forward_mesh
 from tfmp.integrations.internals import keras_current_path as current_path
+from tfmp.layout import layout_axes
 from tfmp.strategy.keras_distribution import distribute_tensor
-from tfmp.strategy.sequence_parallel import gathers_sequence, sequence_axes
+from tfmp.strategy.sequence_parallel import (
+    gathers_sequence,
+    gradient_whole_over_sequence,
+    is_embedding,
+    keys_and_values_whole,
+    sequence_axes,
+)
 from tfmp.strategy.strategy import ModelParallelStrategy
 
 
@@ -33,27 +42,98 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
         or mesh is None
     ):
         return layer_call(layer, *args, **kwargs)
-    axis = strategy.sequence_parallel_axis
+    option, axis = "sequence_parallel", strategy.sequence_parallel_axis
+    if strategy.context_parallel_axis is not None:
+        option, axis = "context_parallel", strategy.context_parallel_axis
     if axis not in mesh.dim_names:  # None, or not on a pipeline stage's mesh
         axis = None
-    if axis is not None and gathers_sequence(layer):
-        whole = (strategy.batch_axis, None, None)
-        args, kwargs = tf.nest.map_structure(
-            lambda value: distribute_tensor(value, whole)
-            if isinstance(value, tf.Tensor) and value.shape.rank == 3 and value.dtype.is_floating
-            else value,
-            (args, kwargs),
-        )
-    outputs = layer_call(layer, *args, **kwargs)
+    attention = axis is not None and gathers_sequence(layer)
+    splits_queries = attention and option == "context_parallel"
+    whole_keys = _whole_keys_and_values(layer, strategy.batch_axis, axis, mesh) if splits_queries else None
+    with whole_keys or contextlib.nullcontext(False) as queries_split:
+        if attention:
+            inputs_axis = axis if queries_split else None
+            args, kwargs = tf.nest.map_structure(
+                lambda value: _sequence_inputs(value, strategy.batch_axis, inputs_axis, mesh), (args, kwargs)
+            )
+        outputs = layer_call(layer, *args, **kwargs)
     path = "/".join(filter(None, (current_path(), layer.name)))
     axes = strategy.layout_map.output_axes(path)
     if axes is None and axis is not None:
-        axes = sequence_axes(layer, outputs, axis, strategy.batch_axis, mesh.dim_size(axis))
+        axes = sequence_axes(layer, outputs, axis, strategy.batch_axis, mesh.dim_size(axis), option)
         if axes is not None:
-            strategy.layout_map.note_output(path, f"sequence_parallel={axis!r}", axes)
+            strategy.layout_map.note_output(path, f"{option}={axis!r}", axes)
+    if axes is None and option == "context_parallel" and axis is not None and is_embedding(layer):
+        return tf.nest.map_structure(
+            lambda tensor: gradient_whole_over_sequence(
+                tensor, lambda gradient: _sequence_inputs(gradient, strategy.batch_axis, None, mesh)
+            ) if isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating else tensor,
+            outputs,
+        )
     if axes is None:
         return outputs
     return tf.nest.map_structure(
         lambda tensor: distribute_tensor(tensor, axes) if isinstance(tensor, tf.Tensor) else tensor,
         outputs,
     )
+
+
+@contextlib.contextmanager
+def _whole_keys_and_values(layer: Any, batch_axis: str | None, axis: str, mesh: Any) -> Iterator[bool]:
+    """While the block runs, the attention layer's `_compute_attention` gets
+    its key and value whole over `axis` (`keys_and_values_whole`); yields
+    whether the layer has that method."""
+    compute_attention = getattr(layer, "_compute_attention", None)
+    if not callable(compute_attention):
+        yield False
+        return
+    heads_axis = _heads_axis(layer, batch_axis, axis)
+    # On the instance, for this call only: Keras' tracking of layer
+    # attributes is bypassed, and the class's method shows through after.
+    object.__setattr__(layer, "_compute_attention", keys_and_values_whole(
+        compute_attention, lambda value: _whole_sequence(value, batch_axis, heads_axis, mesh)
+    ))
+    try:
+        yield True
+    finally:
+        object.__delattr__(layer, "_compute_attention")
+
+
+def _heads_axis(layer: Any, batch_axis: str | None, sequence_axis: str) -> str | None:
+    """The mesh axis an attention layer's heads are split over: the one axis
+    its weights are split over besides the batch and sequence axes (the
+    tensor-parallel axis of its projections), else None."""
+    axes = {
+        axis
+        for weight in layer.weights
+        if (layout := getattr(getattr(weight, "value", None), "layout", None)) is not None
+        for axis in layout_axes(layout)
+        if axis not in (None, batch_axis, sequence_axis)
+    }
+    return axes.pop() if len(axes) == 1 else None
+
+
+def _sequence_inputs(value: Any, batch_axis: str | None, sequence_axis: str | None, mesh: Any) -> Any:
+    """An attention layer's `(batch, sequence, features)` floating input with
+    its sequence split over `sequence_axis` where it divides (else whole: the
+    layer's output then names the length), or whole for None; other values
+    as they are."""
+    if not isinstance(value, tf.Tensor) or value.shape.rank != 3 or not value.dtype.is_floating:
+        return value
+    length = value.shape[1]
+    if sequence_axis is not None and (length is None or length % mesh.dim_size(sequence_axis)):
+        sequence_axis = None
+    return distribute_tensor(value, (batch_axis, sequence_axis, None))
+
+
+def _whole_sequence(value: Any, batch_axis: str | None, heads_axis: str | None, mesh: Any) -> Any:
+    """A key or value of attention, `(batch, sequence, heads, features)` or
+    `(batch, sequence, features)`, whole over the sequence; heads stay split
+    over `heads_axis` where they divide by it."""
+    if not isinstance(value, tf.Tensor) or value.shape.rank not in (3, 4):
+        return value
+    axes = [batch_axis] + [None] * (value.shape.rank - 1)
+    heads = value.shape[2] if value.shape.rank == 4 else None
+    if heads_axis is not None and heads is not None and heads % mesh.dim_size(heads_axis) == 0:
+        axes[2] = heads_axis
+    return distribute_tensor(value, tuple(axes))

@@ -498,7 +498,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
 
     def _replicated_output(self, value: Any) -> Any:
         if isinstance(value, tf.Tensor):
-            return replicate(value, self.home_mesh.dtensor_mesh)
+            sequence_axis = self._container_strategy().context_parallel_axis
+            return replicate(value, self.home_mesh.dtensor_mesh, sequence_axis)
         return value
 
     def _reduce_to(self, reduce_op, value, destinations, options):

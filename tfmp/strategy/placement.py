@@ -78,12 +78,15 @@ class HostShards:
         return dtensor.pack(self.shards, self.layout)
 
 
-def replicate(value: tf.Tensor, mesh: dtensor.Mesh | None = None) -> tf.Tensor:
+def replicate(
+    value: tf.Tensor, mesh: dtensor.Mesh | None = None, sequence_axis: str | None = None
+) -> tf.Tensor:
     """Relayouts a sharded DTensor to replicated, one mesh axis at a time
     (`tfmp.layout.replicated`).
 
     Inside a function, where layouts are not known until DTensor expands it,
-    `mesh` says which mesh the value lives on.
+    `mesh` says which mesh the value lives on, and `sequence_axis` the axis
+    context parallelism splits sequences over.
     """
     if value.shape.rank is None:
         return value
@@ -93,7 +96,7 @@ def replicate(value: tf.Tensor, mesh: dtensor.Mesh | None = None) -> tf.Tensor:
         mesh = dtensor.fetch_layout(value).mesh
     if mesh is None:
         return value
-    return replicated(value, mesh)
+    return replicated(value, mesh, sequence_axis)
 
 
 def to_host(value: tf.Tensor) -> tf.Tensor:

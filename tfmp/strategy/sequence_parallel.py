@@ -10,21 +10,37 @@ output of each norm and dropout layer with such an output is laid out
 adds follow it, and DTensor gathers the sequence where a column-parallel
 layer needs it whole. Each device then holds 1/N of those activations. The
 numbers stay one device's: a relayout moves values, it computes nothing.
+
+Context parallelism (`context_parallel=True`, axis `"sequence"`) splits the
+sequence through the whole model instead: the outputs of norms,
+dropouts and attention layers are laid out `(batch, "sequence", None)`, and
+the layers between follow them; an embedding gets its output's gradient
+with the sequence whole (`gradient_whole_over_sequence`). An attention layer's inputs are split over
+the axis and its keys and values gathered whole just before the scores
+(`keys_and_values_whole`), as Llama 3's training gathers them, so each
+device computes the scores of its queries against the whole sequence, causal
+and padding masks included, and holds 1/N of the `(sequence, sequence)`
+scores. An attention layer without a `_compute_attention(query, key, value,
+...)` method gets its inputs whole and lays its output out split again.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from typing import Any
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
+
+from tfmp.forward import BACKWARD_SCOPE
 
 # KerasHub's own norms (LlamaLayerNorm, Gemma's RMSNormalization, ...) and
 # attention layers (CachedLlamaAttention, ...) are recognized by their class
 # names, as Keras' are by theirs.
 _NORM_CLASS = re.compile(r"(LayerNorm|RMSNorm)(alization)?$")
 _ATTENTION_CLASS = re.compile(r"Attention$")
+_EMBEDDING_CLASS = re.compile(r"Embedding$")
 
 
 def is_sequence_region(layer: Any) -> bool:
@@ -35,6 +51,41 @@ def is_sequence_region(layer: Any) -> bool:
     )
 
 
+def is_context_region(layer: Any) -> bool:
+    """Whether context parallelism splits the sequence of `layer`'s output:
+    a norm, a dropout or an attention layer."""
+    return is_sequence_region(layer) or gathers_sequence(layer)
+
+
+def is_embedding(layer: Any) -> bool:
+    """Whether `layer` looks rows up in a table (Keras' and KerasHub's
+    embeddings): under context parallelism the gradient of its output must
+    reach it with the sequence whole (`gradient_whole_over_sequence`)."""
+    return any(_EMBEDDING_CLASS.search(cls.__name__) for cls in type(layer).__mro__)
+
+
+def gradient_whole_over_sequence(outputs: tf.Tensor, whole: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """`outputs` as they are, with their gradient passed through `whole`.
+
+    The gradient of a lookup reshapes its `(batch, sequence, features)`
+    gradient into rows, one dimension that DTensor cannot split over both
+    the batch and the sequence axes: its collective lowering failed ('tf.Reshape'
+    op requires 'output' number of elements to match). A relayout of the
+    output alone does not pin its gradient: DTensor's Relayout gradient takes
+    the layout the lookup's output was propagated, which can be split.
+    """
+
+    def gradient(upstream: tf.Tensor) -> tf.Tensor:
+        with tf.name_scope(BACKWARD_SCOPE):
+            return whole(upstream)
+
+    @tf.custom_gradient
+    def identity(value: tf.Tensor) -> Any:
+        return tf.identity(value), gradient
+
+    return identity(outputs)
+
+
 def gathers_sequence(layer: Any) -> bool:
     """Whether `layer` reads its inputs' sequence whole: an attention layer.
     DTensor would otherwise carry the split into its heads, whose transposes
@@ -42,22 +93,48 @@ def gathers_sequence(layer: Any) -> bool:
     return any(_ATTENTION_CLASS.search(cls.__name__) for cls in type(layer).__mro__)
 
 
-def sequence_axes(layer: Any, outputs: Any, axis: str, batch_axis: str | None, axis_size: int) -> tuple | None:
-    """The layout of `layer`'s output under sequence parallelism over `axis`:
-    `(batch_axis, axis, None)` for a norm's or dropout's `(batch, sequence,
-    features)` output; None for any other layer or output.
+def sequence_axes(
+    layer: Any, outputs: Any, axis: str, batch_axis: str | None, axis_size: int, option: str
+) -> tuple | None:
+    """The layout of `layer`'s output when `option` (`"sequence_parallel"` or
+    `"context_parallel"`) splits sequences over `axis`: `(batch_axis, axis,
+    None)` for a `(batch, sequence, features)` floating output of a layer
+    that option splits; None for any other layer or output.
 
     Raises:
         ValueError: If the sequence does not divide by the axis.
     """
-    if not is_sequence_region(layer) or not isinstance(outputs, tf.Tensor) or outputs.shape.rank != 3:
+    if not isinstance(outputs, tf.Tensor) or outputs.shape.rank != 3 or not outputs.dtype.is_floating:
+        return None
+    splits = is_context_region if option == "context_parallel" else is_sequence_region
+    if not splits(layer):
         return None
     length = outputs.shape[1]
     if length is not None and length % axis_size:
         raise ValueError(
-            f"sequence_parallel splits the sequence of the output of layer {layer.name!r}, "
+            f"{option} splits the sequence of the output of layer {layer.name!r}, "
             f"shaped {tuple(outputs.shape)}, over mesh axis {axis!r} of size {axis_size}, and "
             f"{length} does not divide by {axis_size}: pad the sequences to a multiple "
-            f"of {axis_size}, or turn sequence_parallel off."
+            f"of {axis_size}, or turn {option} off."
         )
     return (batch_axis, axis, None)
+
+
+def keys_and_values_whole(
+    compute_attention: Callable, whole: Callable[[tf.Tensor], tf.Tensor]
+) -> Callable:
+    """An attention layer's bound `_compute_attention(query, key, value, ...)`
+    that first passes its key and value (by position or by name) through
+    `whole`."""
+    names = list(inspect.signature(compute_attention).parameters)[1:3]
+
+    def with_whole_keys_and_values(*args: Any, **kwargs: Any) -> Any:
+        args = list(args)
+        for position, name in enumerate(names, start=1):
+            if position < len(args):
+                args[position] = whole(args[position])
+            elif name in kwargs:
+                kwargs[name] = whole(kwargs[name])
+        return compute_attention(*args, **kwargs)
+
+    return with_whole_keys_and_values

@@ -63,6 +63,16 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             sequence, so each device of the axis keeps 1/N of the activations
             between tensor-parallel blocks (`tfmp.strategy.sequence_parallel`).
             A `"<layer path>/output"` rule of the layout map wins over it.
+        context_parallel: Context parallelism, over mesh axis `"sequence"`
+            (True) or the axis named: the sequence is split over the axis
+            through the whole model (norms', dropouts' and attention layers'
+            `(batch, sequence, features)` outputs), and each attention layer
+            gathers its keys and values whole over the axis while its
+            queries are split, so every device computes the
+            scores of its part of the sequence against all of it
+            (`tfmp.strategy.sequence_parallel`). Weights are replicated over
+            the axis and their gradients summed over it. Cannot be combined
+            with `sequence_parallel`, which splits the same dimension.
 
     Examples:
         >>> import keras, tfmp
@@ -92,6 +102,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         schedule: str = "gpipe",
         fully_shard: bool = False,
         sequence_parallel: bool | str = False,
+        context_parallel: bool | str = False,
     ):
         mesh = as_device_mesh(mesh)
         if not isinstance(fully_shard, bool):
@@ -109,7 +120,19 @@ class ModelParallelStrategy(tf.distribute.Strategy):
                 f"strategy has none (mesh axes {mesh.axis_names}). Give the mesh a "
                 "'batch' axis or name one with batch_axis=..."
             )
-        self.sequence_parallel_axis = _sequence_axis(mesh, sequence_parallel, batch_axis)
+        self.sequence_parallel_axis = _sequence_axis(
+            mesh, sequence_parallel, batch_axis, "sequence_parallel", "model"
+        )
+        self.context_parallel_axis = _sequence_axis(
+            mesh, context_parallel, batch_axis, "context_parallel", "sequence"
+        )
+        if self.sequence_parallel_axis and self.context_parallel_axis:
+            raise ValueError(
+                f"sequence_parallel={sequence_parallel!r} and context_parallel="
+                f"{context_parallel!r} both split the sequence, and DTensor splits a "
+                "dimension over one mesh axis: choose one (context_parallel also "
+                "splits the sequence inside attention and the MLP)."
+            )
         auto_axis = None
         if isinstance(layout_map, str):
             if layout_map != "auto":
@@ -244,21 +267,24 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         )
 
 
-def _sequence_axis(mesh: DeviceMesh, sequence_parallel: bool | str, batch_axis: str | None) -> str | None:
-    """The mesh axis `sequence_parallel` splits sequences over, or None."""
-    if sequence_parallel is False:
+def _sequence_axis(
+    mesh: DeviceMesh, value: bool | str, batch_axis: str | None, option: str, default_axis: str
+) -> str | None:
+    """The mesh axis that `option` (`sequence_parallel` or `context_parallel`,
+    given `value`) splits sequences over, or None."""
+    if value is False:
         return None
-    axis = "model" if sequence_parallel is True else sequence_parallel
+    axis = default_axis if value is True else value
     if not isinstance(axis, str):
         raise TypeError(
-            f"sequence_parallel must be True, False or a mesh axis name, got "
-            f"{sequence_parallel!r} ({type(sequence_parallel).__name__})."
+            f"{option} must be True, False or a mesh axis name, got {value!r} "
+            f"({type(value).__name__})."
         )
-    mesh.check_axis(axis, what="sequence_parallel splits sequences over mesh axis")
+    mesh.check_axis(axis, what=f"{option} splits sequences over mesh axis")
     if axis == batch_axis:
         raise ValueError(
-            f"sequence_parallel={sequence_parallel!r} names the batch axis {axis!r}; "
-            "sequences are split over the tensor-parallel axis (usually 'model')."
+            f"{option}={value!r} names the batch axis {axis!r}; sequences are split "
+            f"over another axis (usually {default_axis!r})."
         )
     return axis
 
