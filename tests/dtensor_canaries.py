@@ -310,6 +310,18 @@ def _host_capture():
     return refusal(lambda x: x + host, SPLIT_ROWS, says="expecting a DTensor")
 
 
+@probe("numpy.matmul", "the matmul lowering (tfmp/lowering/arrays.py)")
+def _tensordot_gathers_a_split_sequence():
+    """Keras' matmul of a (batch, sequence, features) tensor is tensordot,
+    whose reshape of batch and sequence into rows gathers a split sequence."""
+    product = tf.function(lambda x, w: tf.tensordot(x, w, axes=[[-1], [0]]))(
+        on_mesh(RNG.normal(size=(4, 8, 3)).astype("float32"), "batch", "model", U),
+        on_mesh(RNG.normal(size=(3, 2)).astype("float32")),
+    )
+    specs = dtensor.fetch_layout(product).sharding_specs
+    return specs[1] == U, f"lays its result out {specs}"
+
+
 @probe("tf.function_call_options", "the Grappler patch (tfmp/strategy/grappler.py)")
 def _grappler_folds_with_whole_shapes():
     """Each device's graph keeps the whole kernel's shape on its shard, and

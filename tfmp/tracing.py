@@ -51,6 +51,9 @@ class TracingContext(threading.local):
             iterator is Keras' symbolic build (`tfmp.strategy.epoch_iterator`).
         unknown_batch_rows: Whether the epoch being run traces its steps with
             a batch size unknown, as one device does (`tfmp.strategy.epoch_iterator`).
+        splits_sequences: Whether the layer being traced runs under context
+            parallelism (`tfmp.strategy.activation_layouts`), where Keras'
+            matmul keeps a split sequence (`tfmp.lowering.arrays.matmul`).
     """
 
     def __init__(self) -> None:
@@ -66,6 +69,7 @@ class TracingContext(threading.local):
         self.skip_in_next_epoch = 0
         self.build_pass_expected = False
         self.unknown_batch_rows = False
+        self.splits_sequences = False
 
 
 context = TracingContext()

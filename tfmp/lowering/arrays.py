@@ -19,6 +19,17 @@
   transposed, then asked for split on rows again. On a mesh a transpose of
   a float tensor is a one-operand einsum, which DTensor relayouts as its
   consumers ask (no communication where the layouts already agree).
+- Keras' `matmul` of a `(batch, sequence, ..., features)` tensor and a
+  kernel (every `Dense` on a sequence) is `tf.tensordot`, which reshapes the
+  leading dimensions into rows; DTensor gathers a sequence split over a mesh
+  axis to do so, and under context parallelism each device computed its MLP
+  over the whole sequence (`bench/long_context.py`, 64 tokens: 2.5 MB of
+  forward activations per device, 1.0 MB without that gather). Under
+  context parallelism it is a `MatMul` that broadcasts the kernel over the
+  leading dimensions, which keeps them as they are laid out. (An einsum
+  does too, but everywhere on a mesh it made the demo LM under sequence
+  parallelism stop: DTensor's RelayoutLike "output layout ... does not
+  match".)
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from keras.src.backend.tensorflow.core import convert_to_tensor
 
 from tfmp.lowering.joins import read_whole_along
 from tfmp.lowering.registry import Lowering, keras_original
+from tfmp.tracing import context
 
 _KERAS_NUMPY = "keras.src.backend.tensorflow.numpy"
 
@@ -94,6 +106,26 @@ def transpose(x: Any, axes: Any = None) -> tf.Tensor:
     return tf.einsum(f"{letters}->{''.join(letters[axis] for axis in order)}", x)
 
 
+def matmul(x1: Any, x2: Any) -> tf.Tensor:
+    """`keras.ops.matmul`; under context parallelism a floating tensor of
+    rank 3 or more times a matrix of its dtype as a matmul that broadcasts
+    the matrix over the leading dimensions."""
+    x1, x2 = convert_to_tensor(x1), convert_to_tensor(x2)
+    rank = x1.shape.rank
+    if (
+        not context.splits_sequences
+        or isinstance(x1, tf.SparseTensor)
+        or isinstance(x2, tf.SparseTensor)
+        or rank is None
+        or rank < 3
+        or x2.shape.rank != 2
+        or not x1.dtype.is_floating
+        or x1.dtype != x2.dtype
+    ):
+        return keras_original(_KERAS_NUMPY, "matmul")(x1, x2)
+    return tf.linalg.matmul(x1, x2)
+
+
 LOWERINGS = (
     Lowering(
         _KERAS_NUMPY,
@@ -127,5 +159,12 @@ LOWERINGS = (
         sort,
         "TopKV2 refuses outputs split on the sorted dimension; its gradient "
         "scatters by global positions",
+    ),
+    Lowering(
+        _KERAS_NUMPY,
+        "matmul",
+        matmul,
+        "tensordot reshapes the leading dimensions into rows, for which DTensor "
+        "gathers a sequence that context parallelism splits",
     ),
 )

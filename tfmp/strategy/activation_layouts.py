@@ -20,6 +20,7 @@ import tensorflow as tf
 from tfmp.forward import forward_mesh
 from tfmp.integrations.internals import keras_current_path as current_path
 from tfmp.layout import layout_axes
+from tfmp.tracing import scoped
 from tfmp.strategy.keras_distribution import distribute_tensor
 from tfmp.strategy.sequence_parallel import (
     gathers_sequence,
@@ -50,7 +51,8 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
     attention = axis is not None and gathers_sequence(layer)
     splits_queries = attention and option == "context_parallel"
     whole_keys = _whole_keys_and_values(layer, strategy.batch_axis, axis, mesh) if splits_queries else None
-    with whole_keys or contextlib.nullcontext(False) as queries_split:
+    splits_sequences = option == "context_parallel" and axis is not None
+    with whole_keys or contextlib.nullcontext(False) as queries_split, scoped(splits_sequences=splits_sequences):
         if attention:
             inputs_axis = axis if queries_split else None
             args, kwargs = tf.nest.map_structure(
