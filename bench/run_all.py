@@ -2,14 +2,15 @@
 
 Runs overhead.py, eager_call.py, tensor_parallel.py, callbacks.py,
 pipeline.py, compare_jax.py, breakdown.py, largest_model.py,
-memory_growth.py, generic_path.py and model_zoo.py one after another, each
-in its own process (the machine's cores go to one benchmark at a time),
-captures what each prints, and takes from it every ratio with its target:
+memory_growth.py, generic_path.py, model_zoo.py and long_context.py one
+after another, each in its own process (the machine's cores go to one
+benchmark at a time), captures what each prints, and takes from it every
+ratio with its target:
 
 - a line `RESULT measure="..." ratio=1.234 target=<=1.00 status=met|missed`
   (compare_jax.py, eager_call.py, pipeline.py, breakdown.py,
-  largest_model.py, memory_growth.py, generic_path.py and model_zoo.py
-  print these; any benchmark may);
+  largest_model.py, memory_growth.py, generic_path.py, model_zoo.py and
+  long_context.py print these; any benchmark may);
 - otherwise the benchmark's own table, read by a parser below that knows its
   format (overhead.py, tensor_parallel.py, callbacks.py).
 
@@ -67,9 +68,10 @@ BENCHMARKS = (
     "memory_growth.py",
     "generic_path.py",
     "model_zoo.py",
+    "long_context.py",
 )
-# callbacks.py has no --quick: one round is its short run.
-QUICK_ARGS = {"callbacks.py": ["--rounds", "1"]}
+# callbacks.py and long_context.py have no --quick: these are their short runs.
+QUICK_ARGS = {"callbacks.py": ["--rounds", "1"], "long_context.py": ["--lengths", "32,64,128"]}
 
 
 @dataclasses.dataclass
