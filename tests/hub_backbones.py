@@ -477,3 +477,23 @@ BACKBONES: dict[str, Callable[[], Any]] = {
     "SigLIPBackbone": _two_towers("SigLIP"),
     "StableDiffusion3Backbone": _stable_diffusion_3,
 }
+
+
+def pooled_classifier(name: str) -> Any:
+    """The tiny backbone `name` under a mean pooling and a 4-way Dense head:
+    a whole model for `pooled_classifier_data`."""
+    import keras
+
+    backbone = BACKBONES[name]()
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
+    return keras.Model(backbone.input, keras.layers.Dense(4, name="classifier")(pooled))
+
+
+def pooled_classifier_data(n: int = 13) -> tuple[dict, Any]:
+    """`n` rows of tokens with padding masks (every third row padded) and
+    4 regression targets each."""
+    import numpy as np
+    from test_keras_interop import token_data
+
+    x, _, _ = token_data(n=n)
+    return x, np.random.default_rng(0).normal(size=(n, 4)).astype("float32")

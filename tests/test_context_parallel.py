@@ -8,7 +8,6 @@ end with one the batch axis does not divide.
 """
 
 import keras
-import numpy as np
 import pytest
 
 import tfmp
@@ -85,18 +84,11 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     """Padding masks (every third row padded) and causal masks; GPT-2's own
     dropout and position embedding, Llama's rotary embedding and grouped
     keys and values; `layout_map="auto"` on "model"."""
-    from hub_backbones import BACKBONES
-    from test_keras_interop import token_data
+    from hub_backbones import pooled_classifier, pooled_classifier_data
 
-    def build():
-        backbone = BACKBONES[name]()
-        pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
-        return keras.Model(backbone.input, keras.layers.Dense(4, name="classifier")(pooled))
-
-    x, _, _ = token_data(n=13)
-    y = np.random.default_rng(0).normal(size=(13, 4)).astype("float32")
+    x, y = pooled_classifier_data()
     model = assert_parity(
-        build,
+        lambda: pooled_classifier(name),
         x=x,
         y=y,
         strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),

@@ -8,7 +8,6 @@ one the batch axis does not divide.
 """
 
 import keras
-import numpy as np
 import pytest
 
 import tfmp
@@ -77,18 +76,11 @@ def test_the_norms_hold_a_quarter_of_the_sequence_and_the_blocks_gather_it():
 def test_keras_hub_backbone_with_sequence_parallelism_matches_one_device(name):
     """GPT-2 keeps its dropout (0.1) and LayerNormalization; Llama has its
     own LlamaLayerNorm class."""
-    from hub_backbones import BACKBONES
-    from test_keras_interop import token_data
+    from hub_backbones import pooled_classifier, pooled_classifier_data
 
-    def build():
-        backbone = BACKBONES[name]()
-        pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
-        return keras.Model(backbone.input, keras.layers.Dense(4, name="classifier")(pooled))
-
-    x, _, _ = token_data(n=13)
-    y = np.random.default_rng(0).normal(size=(13, 4)).astype("float32")
+    x, y = pooled_classifier_data()
     model = assert_parity(
-        build,
+        lambda: pooled_classifier(name),
         x=x,
         y=y,
         strategy=strategy_on((2, 4), lambda mesh: "auto", sequence_parallel=True),
