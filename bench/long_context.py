@@ -16,8 +16,8 @@ partition graph that is neither a gradient, an optimizer update, a variable
 read nor a constant). That counts every intermediate once, whether or not it
 is alive at the peak: the same measure for every configuration, and for one
 device (a 1x1 mesh), whose bytes / 8 is the ideal. Each configuration and
-length runs in a fresh process (in one process, a configuration measured
-after another read more bytes: the graphs of the model before it).
+length runs in a fresh process: in one process, a second model's captured
+graphs held 222 functions where the first's held 13.
 
 For sequence lengths 64 to 256 it prints each configuration's bytes and
 their ratio to the ideal, then the longest sequence whose bytes fit the
@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 
 import tfmp  # noqa: E402
 from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data  # noqa: E402
-from tfmp.strategy.graph_capture import first_step_graphs_of  # noqa: E402
+from tfmp.strategy.graph_capture import first_step_graphs_of, is_train_step  # noqa: E402
 
 BATCH, WIDTH, HEADS, FFN = 2, 64, 8, 256
 # name -> (mesh shape, axis names, strategy keyword arguments)
@@ -82,7 +82,7 @@ def activation_bytes(name: str, length: int) -> int:
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     first = mesh.dtensor_mesh.local_devices()[0]
     total = 0
-    for function in first_step_graphs_of(model).function_graphs:
+    for function in filter(is_train_step, first_step_graphs_of(model).function_graphs):
         for partition in function.partition_graphs:
             for node in partition.node:
                 if not _is_forward_activation(node, first):
