@@ -322,7 +322,7 @@ def _tensordot_gathers_a_split_sequence():
     return specs[1] == U, f"lays its result out {specs}"
 
 
-@probe("tf.function_call_options", "the Grappler patch (tfmp/strategy/grappler.py)")
+@probe("tf.call_flat", "the Grappler patch (tfmp/strategy/grappler.py)")
 def _grappler_folds_with_whole_shapes():
     """Each device's graph keeps the whole kernel's shape on its shard, and
     Grappler's constant folding makes `zeros_like` of a product with it that

@@ -329,9 +329,9 @@ TENSORFLOW = (
         kind="gradient",
     ),
     Patch(
-        "tensorflow.python.eager.context:Context",
-        "function_call_options",
-        grappler.without_grappler,
+        "tensorflow.python.eager.polymorphic_function.atomic_function:AtomicFunction",
+        "call_flat",
+        grappler.mesh_calls_without_grappler,
         "DTensor leaves a whole variable's shape on each device's shard, and "
         "Grappler rewrites the per-device graphs by it: a masked SimpleRNN's "
         "zeros_like was folded 4 times too wide and its step stopped ('Matrix "
