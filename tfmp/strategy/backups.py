@@ -330,14 +330,8 @@ def _remove_version(directory: str) -> None:
 
 @contextlib.contextmanager
 def _files_in(callback: Any, directory: str) -> Iterator[None]:
-    """Points Keras' BackupAndRestore at its files inside `directory`, and at
-    `directory` (which exists) as the one it creates if missing: Keras'
-    check-then-create of the shared backup directory raced the chief's
-    creation of it and stopped another client (FileExistsError)."""
-    names = (
-        "backup_dir", "_weights_path", "_training_metadata_path", "_prev_weights_path",
-        "_prev_training_metadata_path",
-    )
+    """Points Keras' BackupAndRestore at its files inside `directory`."""
+    names = ("_weights_path", "_training_metadata_path", "_prev_weights_path", "_prev_training_metadata_path")
     saved = {name: getattr(callback, name) for name in names}
     for name, path in saved.items():
         setattr(callback, name, os.path.join(directory, os.path.basename(path)))
