@@ -115,6 +115,26 @@ def compile_lm(model: keras.Model) -> keras.Model:
     return model
 
 
+def demo_lm_like_one_device(strategy, compile_fn, rows: int = 37, batch_size: int = 8, seq_len: int = 8, **lm_kwargs):
+    """`assert_parity` of the demo LM under `strategy`: `rows` sequences
+    (37 at batch 8 end on a batch the batch axis does not divide), 2 epochs,
+    evaluate and predict. Returns the mesh model."""
+    from tfmp.demo import build_transformer_lm
+
+    x, y = next_token_data(rows, seq_len, 64)
+    return assert_parity(
+        lambda: build_transformer_lm(seq_len=seq_len, **lm_kwargs),
+        x=x,
+        y=y,
+        strategy=strategy,
+        compile_fn=compile_fn,
+        batch_size=batch_size,
+        epochs=2,
+        steps=2 * -(-rows // batch_size),
+        evaluate=True,
+    )
+
+
 def build_layers_lm(num_layers: int = 1) -> keras.Model:
     """A Transformer LM made of tfmp's parallel layers: no LayoutMap needed."""
     tokens = keras.Input((8,), dtype="int32")

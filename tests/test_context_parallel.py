@@ -7,24 +7,16 @@ Each program trains from one device's initial weights on a 2x2x2
 end with one the batch axis does not divide.
 """
 
-import keras
 import pytest
 
 import tfmp
-from helpers import assert_parity, mesh
+from helpers import assert_parity, compile_lm, demo_lm_like_one_device, mesh
 from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
 from tfmp.strategy.graph_capture import first_step_graphs_of, is_train_step
 
 N, BATCH, SEQUENCE, HEADS = 37, 8, 8, 8
 SPLIT = ("batch", "sequence", None)
 AXES = ("batch", "sequence", "model")
-
-
-def compile_lm(model):
-    model.compile(
-        keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
-    return model
 
 
 def context_parallel_strategy(layout_map_fn=megatron_layout_map, **kwargs):
@@ -48,17 +40,8 @@ def test_megatron_lm_with_context_parallelism_matches_one_device():
     """The demo LM (causal mask) with Megatron's rules on "model": each
     device computes the scores of its half of the batch's rows, half of the
     heads and half of the queries against all the keys, which it gathers."""
-    x, y = next_token_data(N, SEQUENCE, 64)
-    model = assert_parity(
-        lambda: build_transformer_lm(seq_len=SEQUENCE, num_heads=HEADS),
-        x=x,
-        y=y,
-        strategy=context_parallel_strategy(context_parallel=True),
-        compile_fn=compile_lm,
-        batch_size=BATCH,
-        epochs=2,
-        steps=2 * -(-N // BATCH),
-        evaluate=True,
+    model = demo_lm_like_one_device(
+        context_parallel_strategy(context_parallel=True), compile_lm, N, BATCH, SEQUENCE, num_heads=HEADS
     )
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
     assert laid_out == {

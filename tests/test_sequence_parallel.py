@@ -11,7 +11,7 @@ import keras
 import pytest
 
 import tfmp
-from helpers import assert_parity, strategy_on
+from helpers import assert_parity, demo_lm_like_one_device, strategy_on
 from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data
 
 N, BATCH, SEQUENCE = 37, 8, 8
@@ -30,18 +30,7 @@ def lm_on_sequence_parallel_mesh():
 
 
 def test_megatron_lm_with_sequence_parallelism_matches_one_device():
-    x, y = next_token_data(N, SEQUENCE, 64)
-    model = assert_parity(
-        lambda: build_transformer_lm(seq_len=SEQUENCE),
-        x=x,
-        y=y,
-        strategy=lm_on_sequence_parallel_mesh(),
-        compile_fn=compile_lm,
-        batch_size=BATCH,
-        epochs=2,
-        steps=2 * -(-N // BATCH),
-        evaluate=True,
-    )
+    model = demo_lm_like_one_device(lm_on_sequence_parallel_mesh(), compile_lm, N, BATCH, SEQUENCE)
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
     assert laid_out == {
         "transformer_lm/attention_norm": ("sequence_parallel='model'", SPLIT),
