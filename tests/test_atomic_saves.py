@@ -40,8 +40,9 @@ def strategy_on(shape):
 @pytest.fixture(autouse=True, scope="module")
 def installed():
     """tfmp's patches are in, as in any program that made a strategy: the
-    plain models here load (and save) through them too."""
-    strategy_on((2, 4))
+    plain models here load (and save) through them too. The strategy is
+    held: tfmp takes its patches back once no strategy is left."""
+    yield strategy_on((2, 4))
 
 
 @pytest.fixture(scope="module")
@@ -332,3 +333,27 @@ def test_plain_keras_resumes_from_a_backup_tfmp_wrote(tmp_path):
     assert plain._initial_epoch == 2
     for want, got in zip(stop.after_two, plain.get_weights()):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_clients_backup_does_not_race_the_chief_creating_the_directory(tmp_path, monkeypatch):
+    """Keras' backup checks, then creates, `backup_dir`. A client other than
+    the chief writes its files elsewhere, but Keras' check still ran; here
+    the chief creates the directory right after that check says it is
+    missing, as it did in a two-client run (FileExistsError)."""
+    from keras.src.callbacks import backup_and_restore
+
+    backup = str(tmp_path / "backup")
+    exists = backup_and_restore.file_utils.exists
+
+    def chief_creates_it_meanwhile(path):
+        found = exists(path)
+        if path == backup and not found:
+            os.makedirs(backup)
+        return found
+
+    monkeypatch.setattr(backup_and_restore.file_utils, "exists", chief_creates_it_meanwhile)
+    monkeypatch.setattr(backups, "_is_chief", lambda: False)
+    model = build_on(strategy_on((2, 4)), "mlp", WEIGHTS)
+    model.fit(*mlp_data(16), batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    assert os.listdir(backup) == []  # this client's files went to its scratch directory

@@ -88,13 +88,18 @@ def test_launch_stops_every_client_when_one_fails(tmp_path):
     program.write_text(
         "import os, sys, time\n"
         "if os.environ['DTENSOR_CLIENT_ID'] == '1':\n"
+        "    print('checkpoint directory is read-only', flush=True)\n"
         "    sys.exit(3)\n"
         "time.sleep(120)\n"
     )
     started = time.monotonic()
     finished = run_tfmp("launch", "--num-processes", "2", "--devices-per-process", "1", "--", sys.executable, str(program))
     assert finished.returncode == 3
-    assert "client 1 exited with status 3; stopped the others" in finished.stdout
+    # The failed client's last lines come again after the others' output.
+    assert finished.stdout.endswith(
+        "client 1 exited with status 3; stopped the others. Its last lines:\n"
+        "[tfmp launch]   checkpoint directory is read-only\n"
+    ), finished.stdout[-1000:]
     assert time.monotonic() - started < 60
 
 

@@ -15,6 +15,7 @@ with it too, without restarting.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -33,6 +34,9 @@ _GRACE_S = 5.0
 _PREEMPTION_GRACE_S = 60.0
 # A usage error (argparse's status) does not go away by restarting.
 _USAGE_ERROR = 2
+# A failed client's last lines are printed again after the others stop, since
+# their output buries them.
+_LAST_LINES = 20
 
 
 def free_ports(count: int) -> list[int]:
@@ -162,6 +166,7 @@ def _run(
     """One run of every client; its status."""
     processes = []
     pumps = []
+    last_lines = []
     for client, extra in enumerate(client_environments(num_processes, devices_per_process)):
         process = subprocess.Popen(
             list(command),
@@ -172,12 +177,22 @@ def _run(
             start_new_session=True,  # so that stopping it stops its children too
         )
         processes.append(process)
-        pump = threading.Thread(target=_prefix_lines, args=(process.stdout, f"[client {client}] ", out, lock))
+        last_lines.append(collections.deque(maxlen=_LAST_LINES))
+        pump = threading.Thread(
+            target=_prefix_lines, args=(process.stdout, f"[client {client}] ", out, lock, last_lines[-1])
+        )
         pump.start()
         pumps.append(pump)
-    status = _wait(processes, deadline, timeout_s, out, lock, preempted)
+    status, failed_client = _wait(processes, deadline, timeout_s, out, lock, preempted)
     for pump in pumps:
         pump.join()
+    if failed_client is not None:
+        ending = "".join(f"[tfmp launch]   {line}" for line in last_lines[failed_client])
+        out.write(
+            f"[tfmp launch] client {failed_client} exited with {_status_text(status)}; stopped the others. "
+            f"Its last lines:\n{ending}"
+        )
+        out.flush()
     return status
 
 
@@ -205,14 +220,17 @@ def _restartable(status: int, preempted: threading.Event) -> bool:
 
 def _status_text(status: int) -> str:
     if status < 0:
-        return f"a client killed by {signal.Signals(-status).name}"
+        return f"status {status} (killed by {signal.Signals(-status).name})"
     if status == PREEMPTED_EXIT_CODE:
         return f"status {status} (a client was preempted and saved a backup)"
     return f"status {status}"
 
 
-def _prefix_lines(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+def _prefix_lines(
+    stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock, last_lines: collections.deque
+) -> None:
     for line in stream:
+        last_lines.append(line)
         with lock:
             out.write(prefix + line)
             out.flush()
@@ -225,7 +243,8 @@ def _wait(
     out: IO[str],
     lock: threading.Lock,
     preempted: threading.Event,
-) -> int:
+) -> tuple[int, int | None]:
+    """The run's status, and the client that failed first (None if none did)."""
     while True:
         if preempted.is_set():
             _stop(processes, _PREEMPTION_GRACE_S)
@@ -234,23 +253,21 @@ def _wait(
                     "[tfmp launch] SIGTERM: passed it to every client (each saves a backup and "
                     f"stops); exit statuses {[p.returncode for p in processes]}.\n"
                 )
-            return PREEMPTED_EXIT_CODE
+            return PREEMPTED_EXIT_CODE, None
         statuses = [p.poll() for p in processes]
         failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
         if failed:
             client, status = failed[0]
             # The others are saving the same backup: let them finish it.
             _stop(processes, _PREEMPTION_GRACE_S if status == PREEMPTED_EXIT_CODE else _GRACE_S)
-            with lock:
-                out.write(f"[tfmp launch] client {client} exited with status {status}; stopped the others.\n")
-            return status
+            return status, client
         if all(s == 0 for s in statuses):
-            return 0
+            return 0, None
         if deadline is not None and time.monotonic() > deadline:
             _stop(processes)
             with lock:
                 out.write(f"[tfmp launch] still running after {timeout_s:g} s; stopped every client.\n")
-            return 124
+            return 124, None
         time.sleep(_POLL_S)
 
 

@@ -66,10 +66,12 @@ def versioned_save(save_model: Callable) -> Callable:
             return save_model(self)
         # Read in every client, as every value a save reads.
         progress = _progress(self)
+        # Keras checks, then creates, `backup_dir`: with the chief creating it
+        # meanwhile, another client's makedirs raised FileExistsError.
+        os.makedirs(self.backup_dir, exist_ok=True)
         if not _is_chief():
             with tempfile.TemporaryDirectory() as scratch, _files_in(self, scratch):
                 return save_model(self)
-        os.makedirs(self.backup_dir, exist_ok=True)
         directory = version_directory(self.backup_dir, max(_versions(self.backup_dir), default=0) + 1)
         os.makedirs(directory)
         with _files_in(self, directory):
