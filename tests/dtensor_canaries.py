@@ -322,6 +322,16 @@ def _tensordot_gathers_a_split_sequence():
     return specs[1] == U, f"lays its result out {specs}"
 
 
+@probe("nn.sparse_categorical_crossentropy", "the sparse_categorical_crossentropy lowering (tfmp/lowering/losses.py)")
+def _cross_entropy_takes_a_label_past_split_classes():
+    """With the classes split, DTensor's expansion of the kernel computes a
+    loss for a label that is not a class, where the kernel refuses it."""
+    loss = tf.function(
+        lambda labels, logits: tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    )(on_mesh(np.array([0, 8]), "batch"), on_mesh(ROWS[:2, :8], "batch", "model"))
+    return bool(np.all(np.isfinite(whole(loss)))), f"a loss of {whole(loss)} for labels [0, 8] of 8 classes"
+
+
 @probe("tf.call_flat", "the Grappler patch (tfmp/strategy/grappler.py)")
 def _grappler_folds_with_whole_shapes():
     """Each device's graph keeps the whole kernel's shape on its shard, and

@@ -60,6 +60,9 @@ def test_megatron_lm_with_context_parallelism_matches_one_device():
     # float32 per device once gathered: their heads stay split over "model".
     key_bytes = batch_rows * SEQUENCE * heads * 4 * 4
     assert (gathered["key_1/Add"], gathered["value_1/Add"]) == (key_bytes, key_bytes), gathered
+    # The loss reads the (batch, sequence, vocabulary) logits where they are:
+    # TensorFlow's op would gather their sequence to reshape positions into rows.
+    assert not [op for op in gathered if "lm_head" in op or "crossentropy" in op], gathered
 
 
 @pytest.mark.parametrize("name", ["GPT2Backbone", "LlamaBackbone"])
@@ -81,6 +84,55 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
     assert any(path.endswith("self_attention") for path in laid_out), laid_out
     assert all(axes == SPLIT for _, axes in laid_out.values())
+
+
+def build_softmax_lm(vocabulary: int = 64, width: int = 32) -> "keras.Model":
+    """Tokens to next-token probabilities: a softmax output, as Keras'
+    text-generation examples end."""
+    import keras
+
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    x = keras.layers.Embedding(vocabulary, width, name="embed")(tokens)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    x = x + keras.layers.MultiHeadAttention(4, width // 4, name="attention")(x, x, use_causal_mask=True)
+    return keras.Model(tokens, keras.layers.Dense(vocabulary, activation="softmax", name="head")(x))
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        "probabilities",  # the loss takes the softmax's logits back, as Keras does
+        "ignore_class",
+        "labels_with_a_last_dimension_of_one",
+    ],
+)
+def test_losses_over_split_sequences_match_one_device(loss):
+    """The per-position cross-entropy of context parallelism, through Keras'
+    loss arguments; 37 rows at 8, with per-position sample weights."""
+    import keras
+    import numpy as np
+
+    x, y = next_token_data(N, SEQUENCE, 64)
+    weights = np.random.default_rng(3).uniform(0.5, 1.5, size=y.shape).astype("float32")
+    if loss == "labels_with_a_last_dimension_of_one":
+        y = y[..., None]
+    keras_loss = keras.losses.SparseCategoricalCrossentropy(ignore_class=0 if loss == "ignore_class" else None)
+
+    def compile_fn(model):
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras_loss, metrics=["accuracy"])
+        return model
+
+    assert_parity(
+        build_softmax_lm,
+        x=x,
+        y=y,
+        strategy=context_parallel_strategy(megatron_layout_map, context_parallel=True),
+        compile_fn=compile_fn,
+        batch_size=BATCH,
+        steps=-(-N // BATCH),
+        zero_gradient=r"attention/key/bias",
+        sample_weight=weights,
+    )
 
 
 def test_a_sequence_that_does_not_divide_is_a_named_error():

@@ -54,6 +54,11 @@ class TracingContext(threading.local):
         splits_sequences: Whether the layer being traced runs under context
             parallelism (`tfmp.strategy.activation_layouts`), where Keras'
             matmul keeps a split sequence (`tfmp.lowering.arrays.matmul`).
+        step_on_mesh: Whether a strategy's step on a mesh is being traced
+            (`ModelParallelExtended.call_for_each_replica`): the losses it
+            computes are lowered too (`tfmp.lowering.losses`).
+        step_sequence_axis: The mesh axis that splits sequences in that
+            step (context parallelism), or None.
     """
 
     def __init__(self) -> None:
@@ -70,6 +75,8 @@ class TracingContext(threading.local):
         self.build_pass_expected = False
         self.unknown_batch_rows = False
         self.splits_sequences = False
+        self.step_on_mesh = False
+        self.step_sequence_axis: str | None = None
 
 
 context = TracingContext()

@@ -5,7 +5,8 @@ ordinary Keras layers use have none (`DepthwiseConv2dNativeBackpropFilter`,
 `ReverseV2`, TensorList ops of `tf.while_loop`) or refuse split operands
 (`Conv2D` with a split kernel). While a layer's forward pass is traced on a
 tfmp mesh, the Keras backend functions listed in each family's `LOWERINGS` run tfmp's
-rewrite instead; anywhere else they are Keras' own. Importing the package
+rewrite instead (a loss's lowering, in the whole step a strategy traces:
+`Lowering.outside_layers`); anywhere else they are Keras' own. Importing the package
 declares them (and the TensorFlow functions some families patch) with
 `tfmp.integrations`. Ops without a rule that
 no rewrite runs faster run replicated, on inputs gathered first
@@ -22,6 +23,7 @@ from tfmp.lowering import (
     indexing,
     joins,
     loops,
+    losses,
     pooling,
     random,
     reduction,
@@ -33,7 +35,7 @@ from tfmp.lowering.registry import Lowering
 
 # Each module holds the lowerings of one op family, as a tuple `LOWERINGS`,
 # and the TensorFlow functions it patches with its code, `PATCHES`.
-FAMILIES = (conv, rnn, random, indexing, image, joins, slicing, pooling, reduction, elementwise, arrays, loops, replicated)
+FAMILIES = (conv, rnn, random, indexing, image, joins, slicing, pooling, reduction, elementwise, arrays, losses, loops, replicated)
 
 
 def lowerings() -> tuple[Lowering, ...]:

@@ -22,7 +22,10 @@ class Lowering(integrations.Patch):
     takes the same arguments and runs instead while a forward pass is traced
     on a mesh, and what DTensor
     refuses in Keras' own version; `since` names the first release that has
-    the function when the oldest tested one lacks it.
+    the function when the oldest tested one lacks it. With
+    `outside_layers=True` the wrapper runs wherever it is called (a loss
+    computed by the step, outside any layer) and hands back to Keras' own
+    (`keras_original`) where it does not apply.
 
     Examples:
         >>> from tfmp.lowering import Lowering, rnn
@@ -37,11 +40,12 @@ class Lowering(integrations.Patch):
     """
 
     kind: str = "lowering"
+    outside_layers: bool = False
 
     def replacement(self, original: Callable) -> Callable:
-        """tfmp's version while a forward pass is traced on a mesh, Keras'
-        own otherwise."""
-        return _on_mesh_only(original, self.wrapper)
+        """tfmp's version while a forward pass is traced on a mesh (or
+        always, `outside_layers`), Keras' own otherwise."""
+        return _on_mesh_only(original, self.wrapper, self.outside_layers)
 
 
 def keras_original(module: str, name: str) -> Callable:
@@ -51,10 +55,10 @@ def keras_original(module: str, name: str) -> Callable:
     return getattr(function, "__wrapped_keras__", function)
 
 
-def _on_mesh_only(original: Callable, replacement: Callable) -> Callable:
+def _on_mesh_only(original: Callable, replacement: Callable, outside_layers: bool = False) -> Callable:
     @functools.wraps(original)
     def lowered(*args: Any, **kwargs: Any) -> Any:
-        if forward_mesh() is None:
+        if forward_mesh() is None and not outside_layers:
             return original(*args, **kwargs)
         return replacement(*args, **kwargs)
 

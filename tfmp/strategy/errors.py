@@ -79,6 +79,29 @@ def is_dtensor_error(error: BaseException) -> bool:
     )
 
 
+def is_cancellation(error: BaseException) -> bool:
+    """Whether `error` is a step cancelled on this device because another
+    device of the mesh failed (an op's own error, not a layout)."""
+    return isinstance(error, tf.errors.CancelledError) or "was cancelled" in str(error)
+
+
+def explain_cancellation(error: tf.errors.OpError, model: Any) -> tf.errors.CancelledError:
+    """A `CancelledError` saying where the failing device's own error is."""
+    return tf.errors.CancelledError(
+        error.node_def,
+        error.op,
+        f"tfmp: the step of model {model.name!r} stopped on the mesh: another of its devices failed, "
+        "which cancelled this one's part of the step (which device's error TensorFlow reports first "
+        "is a race). TensorFlow logged the failing device's own error as a warning, on a line with "
+        "'Local rendezvous is aborting with status:' (with TF_CPP_MIN_LOG_LEVEL at 1 or less); "
+        "a label or an id outside its range is the usual cause. No device applied this step's update "
+        "if the failure was in the loss or the forward pass; to see the error itself, run the same "
+        "batch on one device. TensorFlow keeps the collectives of a failed step aborted: restart the "
+        "process (or the notebook's kernel) before training on the mesh again.\n"
+        f"TensorFlow's words: {error.message.splitlines()[0] if error.message else ''}",
+    )
+
+
 def explain(error: tf.errors.OpError, model: Any) -> ValueError:
     """A `ValueError` naming the op, the layer and its variables' layouts."""
     text = str(error)

@@ -36,6 +36,7 @@ from tfmp.strategy.variable_layout import (
     storage_layout,
 )
 from tfmp.strategy.watchdog import watch_custom_loop_steps
+from tfmp.tracing import scoped
 
 # Keyword arguments of tf.Variable creation that a DVariable does not take.
 _DROPPED_VARIABLE_KWARGS = ("use_resource", "expected_shape", "caching_device")
@@ -405,7 +406,10 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         if tf.executing_eagerly():
             args, kwargs = self.placer.place((args, kwargs))
         self.note_step_rows((args, kwargs))
-        with GlobalReplicaContext(self._container_strategy()):
+        sequence_axis = self._container_strategy().context_parallel_axis
+        with GlobalReplicaContext(self._container_strategy()), scoped(
+            step_on_mesh=True, step_sequence_axis=sequence_axis
+        ):
             outputs = fn(*args, **kwargs)
         # After the step: a model built by its first call in the step exists now.
         self.warn_about_layout_rules()

@@ -36,7 +36,7 @@ from tensorflow.experimental import dtensor
 
 from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
-from tfmp.integrations.internals import data_adapter_utils
+from tfmp.integrations.internals import data_adapter_utils, eager_context
 from tfmp.integrations.internals import tf_dtypes as dtypes
 from tfmp.integrations.internals import tf_ops as ops
 from tfmp.state import ModelState, state_of
@@ -165,14 +165,28 @@ def explained_errors(model: Any) -> Iterator[None]:
     except tf.errors.OpError as error:
         if placer_for(model) is None:
             raise
-        if peer_errors.is_peer_failure(error):  # never a layout problem
-            cluster = distributed.cluster()
-            if cluster is None or cluster.num_clients == 1:
-                raise
+        _clear_executor_error()
+        cluster = distributed.cluster()
+        several_clients = cluster is not None and cluster.num_clients > 1
+        if several_clients and peer_errors.is_peer_failure(error):  # never a layout problem
             raise peer_errors.explain_peer_failure(error) from error
+        if errors.is_cancellation(error):
+            raise errors.explain_cancellation(error, model) from error
+        if peer_errors.is_peer_failure(error):
+            raise
         if not errors.is_dtensor_error(error):
             raise
         raise errors.explain(error, model) from None
+
+
+def _clear_executor_error() -> None:
+    """DTensor's device runs ops asynchronously: a failed step leaves its
+    error on the executor, which cancelled every later op (the model's
+    weights could not even be read) until the process restarted. The step's
+    ops still queued are let finish (failing) first."""
+    with contextlib.suppress(tf.errors.OpError):
+        eager_context.async_wait()
+    eager_context.async_clear_error()
 
 
 def _has_host_array(structure: Any) -> bool:

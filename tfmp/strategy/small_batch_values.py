@@ -69,7 +69,12 @@ def packed_for_step(batch: Any) -> Any:
     def packed(value: Any) -> Any:
         if not _may_be_folded(value):
             return pack(value)
-        carried = [tf.cast(shard, _CARRIED_AS[shard.dtype]) for shard in value.shards]
+        # Devices that hold the same piece share one host tensor: cast it once.
+        cast = {}
+        for shard in value.shards:
+            if id(shard) not in cast:
+                cast[id(shard)] = tf.cast(shard, _CARRIED_AS[shard.dtype])
+        carried = [cast[id(shard)] for shard in value.shards]
         return SmallBatchValue(HostShards(carried, value.layout).pack(), value.shards[0].dtype.name)
 
     return tf.nest.map_structure(packed, batch)
