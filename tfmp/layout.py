@@ -219,6 +219,11 @@ class LayoutMap(collections.abc.MutableMapping):
         `layer_path` with `axes`, by `source` (a key, or what else decided)."""
         self._laid_out_outputs[layer_path] = (source, tuple(axes))
 
+    def axes_named(self) -> set[str]:
+        """Every mesh axis some rule splits over."""
+        self._follow()
+        return {axis for axes in self._rules.values() for axis in axes if axis}
+
     def laid_out_outputs(self) -> dict[str, tuple[str, Axes]]:
         """The layers whose output a traced step has laid out so far:
         layer path -> (the key or what else decided, axes)."""

@@ -20,6 +20,7 @@ from tfmp.mesh import DeviceMesh
 from tfmp.state import ModelState, known_state, state_of
 from tfmp.strategy import agreement
 from tfmp.strategy.graph_capture import FirstStepGraphs, first_step_graphs_of
+from tfmp.strategy.idle_axes import idle_axes, warn_idle_axes
 from tfmp.strategy.input import ClientMeshDataset, MeshDataset
 from tfmp.strategy.placement import BatchPlacer, input_pipelines, replicate, to_host, to_layout
 from tfmp.strategy.replica_context import GlobalReplicaContext
@@ -613,7 +614,23 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
         one message (`UndividedDimensions`)."""
         if not self._checked_layout_map:
             self._checked_layout_map = self.layout_map.check_matched()
+            if self._checked_layout_map:
+                self._warn_idle_axes()
         self.undivided.warn(list(self.models))
+
+    def _warn_idle_axes(self) -> None:
+        strategy = self._container_strategy()
+        used = (
+            self.placer.batch_axis,
+            strategy.context_parallel_axis,
+            strategy.sequence_parallel_axis,
+            self.stages.stage_axis,
+            *self.layout_map.axes_named(),
+        )
+        models = [model for model in self.models if model.weights]
+        idle = idle_axes(self.mesh, used, models)
+        if idle:
+            warn_idle_axes(self.mesh, idle, [model.name for model in models])
 
 
 def _off_mesh_if_eager(value: tf.Tensor) -> tf.Tensor:
