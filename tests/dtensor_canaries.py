@@ -332,6 +332,24 @@ def _cross_entropy_takes_a_label_past_split_classes():
     return bool(np.all(np.isfinite(whole(loss)))), f"a loss of {whole(loss)} for labels [0, 8] of 8 classes"
 
 
+@probe("tf.var_handle_op", "the var_handle_op patch (tfmp/strategy/variable_handles.py)")
+def _each_variable_name_is_laid_out_anew():
+    """Two variables of one shape and layout, two names: DTensor lays out
+    their handle ops twice, keyed by the debug name TensorFlow gives them."""
+    from tensorflow.dtensor.python import api as dtensor_api
+
+    def misses():
+        return dtensor_api._dtensor_device()._get_stats()["function_manager.miss"]  # noqa: SLF001
+
+    initial = on_mesh(ROWS[:2, :3])
+    before = misses()
+    dtensor.DVariable(initial, name="first_of_a_shape")
+    after_one = misses()
+    dtensor.DVariable(initial, name="second_of_the_shape")
+    anew = misses() - after_one
+    return anew > 0, f"the second variable of a shape and layout laid out {anew} more functions (the first {after_one - before})"
+
+
 @probe("tf.call_flat", "the Grappler patch (tfmp/strategy/grappler.py)")
 def _grappler_folds_with_whole_shapes():
     """Each device's graph keeps the whole kernel's shape on its shard, and
