@@ -36,7 +36,7 @@ from tensorflow.experimental import dtensor
 
 from tfmp import distributed
 from tfmp.forward import forward_mesh, forward_on
-from tfmp.integrations.internals import data_adapter_utils, eager_context
+from tfmp.integrations.internals import data_adapter_utils
 from tfmp.integrations.internals import tf_dtypes as dtypes
 from tfmp.integrations.internals import tf_ops as ops
 from tfmp.state import ModelState, state_of
@@ -158,14 +158,14 @@ def prepared(method: Callable) -> Callable:
 @contextlib.contextmanager
 def explained_errors(model: Any) -> Iterator[None]:
     """DTensor's internal errors in the block become ValueErrors that name
-    the layer and op, and failures of other clients errors that name the
-    client (for a model on a tfmp mesh)."""
+    the layer and op, failures of other clients errors that name the
+    client, and a step cancelled because another device failed an error
+    that says so (for a model on a tfmp mesh)."""
     try:
         yield
     except tf.errors.OpError as error:
         if placer_for(model) is None:
             raise
-        _clear_executor_error()
         cluster = distributed.cluster()
         several_clients = cluster is not None and cluster.num_clients > 1
         if several_clients and peer_errors.is_peer_failure(error):  # never a layout problem
@@ -177,16 +177,6 @@ def explained_errors(model: Any) -> Iterator[None]:
         if not errors.is_dtensor_error(error):
             raise
         raise errors.explain(error, model) from None
-
-
-def _clear_executor_error() -> None:
-    """DTensor's device runs ops asynchronously: a failed step leaves its
-    error on the executor, which cancelled every later op (the model's
-    weights could not even be read) until the process restarted. The step's
-    ops still queued are let finish (failing) first."""
-    with contextlib.suppress(tf.errors.OpError):
-        eager_context.async_wait()
-    eager_context.async_clear_error()
 
 
 def _has_host_array(structure: Any) -> bool:
