@@ -6,10 +6,10 @@
   it with the classes split (a vocabulary-parallel head) trained on such a
   label without a word, and with the batch split only the device holding it
   failed: the others' collectives were cancelled, and the step's error said
-  only that. In a step on a mesh the labels are checked first, over the
-  whole batch (every device reaches the same verdict), after the logits
-  exist (so no device stops while a collective of the forward pass waits
-  for it), with TensorFlow's words.
+  only that. In a step on a mesh the labels are checked over the whole
+  batch (every device reaches the same verdict) before any device computes
+  its loss, with TensorFlow's words; which device's error the step reports
+  first stays a race (`tfmp.strategy.errors.explain_cancellation`).
 - **A split sequence.** The kernel's Python wrapper reshapes logits of rank
   3 or more into rows `(batch x sequence, classes)`; DTensor splits a
   dimension over one mesh axis, so under context parallelism it gathered the
@@ -65,7 +65,7 @@ def _checked_labels(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     stops with TensorFlow's words otherwise. The labels depend on the
     verdict through their values (DTensor's expansion keeps data
     dependencies, not control ones), so no device's loss runs before it."""
-    classes = logits.shape[-1]
+    classes = logits.shape[-1] or "classes"
     in_range = tf.reduce_all((labels >= 0) & (labels < tf.shape(logits, out_type=labels.dtype)[-1]))
     verdict = tf.debugging.check_numerics(
         tf.where(in_range, tf.zeros([], logits.dtype), tf.constant(float("nan"), logits.dtype)),

@@ -94,8 +94,7 @@ def explain_cancellation(error: tf.errors.OpError, model: Any) -> tf.errors.Canc
         "which cancelled this one's part of the step (which device's error TensorFlow reports first "
         "is a race). TensorFlow logged the failing device's own error as a warning, on a line with "
         "'Local rendezvous is aborting with status:' (with TF_CPP_MIN_LOG_LEVEL at 1 or less); "
-        "a label or an id outside its range is the usual cause. No device applied this step's update "
-        "if the failure was in the loss or the forward pass; to see the error itself, run the same "
+        "a label or an id outside its range is the usual cause; to see the error itself, run the same "
         "batch on one device. TensorFlow keeps the collectives of a failed step aborted: restart the "
         "process (or the notebook's kernel) before training on the mesh again.\n"
         f"TensorFlow's words: {error.message.splitlines()[0] if error.message else ''}",
