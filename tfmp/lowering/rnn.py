@@ -105,6 +105,7 @@ def rnn(
         zero_output_for_mask,
         return_all_outputs,
         row_wise_cells=_row_wise_cells(step_function),
+        devices=getattr(forward_mesh(), "size", 1),
     )
     if looped is not None:
         return looped
