@@ -2,15 +2,15 @@
 
 Runs overhead.py, eager_call.py, tensor_parallel.py, callbacks.py,
 pipeline.py, compare_jax.py, breakdown.py, largest_model.py,
-memory_growth.py, generic_path.py, model_zoo.py and long_context.py one
-after another, each in its own process (the machine's cores go to one
+memory_growth.py, generic_path.py, model_zoo.py, long_context.py and
+experts.py one after another, each in its own process (the machine's cores go to one
 benchmark at a time), captures what each prints, and takes from it every
 ratio with its target:
 
 - a line `RESULT measure="..." ratio=1.234 target=<=1.00 status=met|missed`
   (compare_jax.py, eager_call.py, pipeline.py, breakdown.py,
-  largest_model.py, memory_growth.py, generic_path.py, model_zoo.py and
-  long_context.py print these; any benchmark may);
+  largest_model.py, memory_growth.py, generic_path.py, model_zoo.py,
+  long_context.py and experts.py print these; any benchmark may);
 - otherwise the benchmark's own table, read by a parser below that knows its
   format (overhead.py, tensor_parallel.py, callbacks.py).
 
@@ -69,9 +69,11 @@ BENCHMARKS = (
     "generic_path.py",
     "model_zoo.py",
     "long_context.py",
+    "experts.py",
 )
-# callbacks.py and long_context.py have no --quick: these are their short runs.
-QUICK_ARGS = {"callbacks.py": ["--rounds", "1"], "long_context.py": ["--lengths", "32,64,128"]}
+# callbacks.py, long_context.py and experts.py have no --quick: these are their
+# short runs (experts.py takes about 20 s whole).
+QUICK_ARGS = {"callbacks.py": ["--rounds", "1"], "long_context.py": ["--lengths", "32,64,128"], "experts.py": []}
 
 
 @dataclasses.dataclass

@@ -34,6 +34,17 @@ class GatheredOnUse(tuple):
         return f"gather_on_use({tuple(self)!r})"
 
 
+class ComputedSplit(tuple):
+    """Axes a variable is stored split over and its layer computes with it
+    split over, the batch axis included: a layer's declared layout for
+    weights the tokens travel to (`tfmp.layers.MixtureOfExperts`' expert
+    banks), which tfmp would otherwise gather over the batch axis as the
+    layer reads them."""
+
+    def __repr__(self) -> str:
+        return f"ComputedSplit({tuple(self)!r})"
+
+
 def gather_on_use(axes: Sequence[str | None]) -> GatheredOnUse:
     """A layout that splits a variable for memory only: its layer reads it whole.
 
@@ -405,7 +416,7 @@ def _as_axes(axes: Any) -> Axes:
                 f"Layout {tuple(axes)} holds {axis!r}: each entry must be a mesh "
                 "axis name or None."
             )
-    return GatheredOnUse(axes) if isinstance(axes, GatheredOnUse) else tuple(axes)
+    return type(axes)(axes) if isinstance(axes, (GatheredOnUse, ComputedSplit)) else tuple(axes)
 
 
 @contextlib.contextmanager

@@ -57,8 +57,9 @@ def gathered_axes(batch_axis: str | None, decision: LayoutDecision) -> tuple[str
     """The mesh axes a variable is gathered over when its layer reads it.
 
     The batch axis (the activations a weight meets are split over it, so a
-    weight split over it is fully sharded), and every axis of its layout if
+    weight split over it is fully sharded) unless its layer computes with it
+    split so (`tfmp.layout.ComputedSplit`), and every axis of its layout if
     that is a `tfmp.gather_on_use` layout.
     """
-    gathered = [batch_axis] if batch_axis else []
+    gathered = [batch_axis] if batch_axis and not decision.computed_split else []
     return (*gathered, *(axis for axis in decision.gathered_on_use if axis not in gathered))

@@ -1,0 +1,156 @@
+"""tfmp.layers.MixtureOfExperts: routing as one device, experts split over a mesh axis."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from helpers import assert_parity, rules, strategy_on
+from tfmp.inspect.summary import placements
+
+SEQ, FEATURES = 12, 16
+# The layers around the experts split over "model", Megatron's pair.
+AROUND = rules({"proj/kernel": (None, "model"), "proj/bias": ("model",), "head/kernel": ("model", None)})
+
+
+def build_moe_model(num_experts=4, top_k=2, axis="batch", capacity_factor=1.0, aux_loss_weight=0.01):
+    """A token projection, a mixture of experts with its residual, pooling, a head."""
+    tokens = keras.Input((SEQ, FEATURES))
+    x = keras.layers.Dense(FEATURES, name="proj")(tokens)
+    experts = tfmp.layers.MixtureOfExperts(
+        num_experts=num_experts,
+        hidden_dim=24,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+        aux_loss_weight=aux_loss_weight,
+        axis=axis,
+        name="moe",
+    )
+    x = keras.layers.Add()([x, experts(x)])
+    return keras.Model(tokens, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(x)))
+
+
+def data(rows=37, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(rows, SEQ, FEATURES)).astype("float32"), rng.normal(size=(rows, 3)).astype("float32")
+
+
+def _collectives(model):
+    return tfmp.comm_report(model, print_fn=lambda text: None).collectives
+
+
+def test_routes_by_choice_then_position_and_drops_past_capacity():
+    """Every first choice takes a slot before any second one; within a
+    choice, earlier tokens first; a token past an expert's capacity gets
+    no slot and no weight there; weights renormalize over the chosen two."""
+    layer = tfmp.layers.MixtureOfExperts(num_experts=2, hidden_dim=4, top_k=2, capacity_factor=0.75)
+    capacity = layer.capacity(4)  # ceil(2 * 4 * 0.75 / 2)
+    assert capacity == 3
+    probabilities = tf.constant([[[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.4, 0.6]]])
+    dispatch, combine = (np.asarray(t) for t in layer._routes(probabilities, capacity))
+    # Expert 0: first choices of tokens 0, 1, 2 fill its 3 slots; token 3's
+    # second choice is dropped. Expert 1: token 3 (first choice), then the
+    # second choices of tokens 0 and 1; token 2's is dropped.
+    want_slots = {(0, 0): 0, (1, 0): 1, (2, 0): 2, (3, 1): 0, (0, 1): 1, (1, 1): 2}
+    want = np.zeros((1, 4, 2, capacity), "float32")
+    for (token, expert), slot in want_slots.items():
+        want[0, token, expert, slot] = 1.0
+    np.testing.assert_array_equal(dispatch, want)
+    np.testing.assert_allclose(combine.sum(axis=-1)[0], [[0.9, 0.1], [0.8, 0.2], [0.7, 0.0], [0.0, 0.6]], rtol=1e-6)
+
+
+def test_experts_split_over_the_batch_axis_exchange_tokens_by_all_to_all():
+    """GShard's expert parallelism on 2x4: each "batch" device holds 2 of 4
+    experts, its tokens reach them and come back by one all-to-all each
+    way, and the banks are never gathered. Top-2 routing with drops
+    (capacity factor 1), the load-balancing loss, 37 rows at batch 8 (a
+    last batch of 5, traced with an unknown batch), the layers around it
+    tensor-parallel over "model"."""
+    x, y = data()
+    model = assert_parity(build_moe_model, AROUND, x, y, mesh_shape=(2, 4), steps=5, batch_size=8)
+    banks = {row.path: (row.axes, row.compute_axes) for row in placements(model) if "expert_" in row.path and not row.is_slot}
+    assert banks == {
+        "moe/expert_kernel_in": (("batch", None, None),) * 2,
+        "moe/expert_bias_in": (("batch", None),) * 2,
+        "moe/expert_kernel_out": (("batch", None, None),) * 2,
+        "moe/expert_bias_out": (("batch", None),) * 2,
+    }
+    moe = [c for c in _collectives(model) if "moe" in c.op]
+    exchanges = [c for c in moe if c.kind == "all-to-all"]
+    assert [c.phase for c in exchanges].count("forward") == 2, moe
+    assert [c.phase for c in exchanges].count("backward") == 2, moe
+    assert all(c.axes == ("batch",) for c in exchanges)
+    # The features come split over "model" from the column-parallel
+    # projection and are gathered there; nothing is gathered over "batch".
+    assert not [c for c in moe if "batch" in c.axes and c.kind == "all-gather" or c.category == "weight-gathers"]
+
+
+def test_one_expert_per_device_with_switch_routing():
+    """Top-1 (Switch) routing, 8 experts over 8 devices, no balance loss."""
+    x, y = data(seed=1)
+    assert_parity(
+        lambda: build_moe_model(num_experts=8, top_k=1, capacity_factor=1.5, aux_loss_weight=0.0),
+        None, x, y, mesh_shape=(8, 1), steps=5, batch_size=8,
+    )
+
+
+def test_experts_over_their_own_axis_route_the_same_tokens_and_sum():
+    """A ("batch", "expert", "model") mesh: tokens split over "batch" only,
+    each "expert" device runs its 2 experts on them; no all-to-all, the
+    outputs are summed over "expert"."""
+    x, y = data(seed=2)
+    device_mesh = tfmp.DeviceMesh((2, 2, 2), ("batch", "expert", "model"))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, AROUND(device_mesh))
+    model = assert_parity(
+        lambda: build_moe_model(axis="expert"), None, x, y, steps=5, batch_size=8, strategy=strategy
+    )
+    moe = [c for c in _collectives(model) if "moe" in c.op]
+    assert not [c for c in moe if c.kind == "all-to-all"], moe
+    assert any(c.kind == "all-reduce" and c.axes == ("expert",) and c.phase == "forward" for c in moe), moe
+
+
+def test_expert_count_that_does_not_divide_is_a_clear_error():
+    strategy = strategy_on((2, 4), AROUND)
+    with strategy.scope():
+        model = build_moe_model(num_experts=3)
+        model.compile(optimizer="adam", loss="mse")
+    x, y = data(rows=16)
+    with pytest.raises(ValueError, match=r"num_experts=3 does not divide by the size of mesh axis 'batch' \(2\)"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_bad_arguments_and_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="top_k=3 must be between 1 and num_experts=2"):
+        tfmp.layers.MixtureOfExperts(num_experts=2, hidden_dim=4, top_k=3)
+    with pytest.raises(ValueError, match="capacity_factor=0 must be positive"):
+        tfmp.layers.MixtureOfExperts(num_experts=2, hidden_dim=4, capacity_factor=0)
+    with pytest.raises(ValueError, match=r"known sequence length.*\(None, None, 16\)"):
+        tfmp.layers.MixtureOfExperts(num_experts=2, hidden_dim=4)(keras.Input((None, 16)))
+
+
+def test_config_round_trip_gives_the_same_layer():
+    layer = tfmp.layers.MixtureOfExperts(num_experts=4, hidden_dim=8, top_k=1, activation="relu", axis="expert")
+    x = np.random.default_rng(3).normal(size=(2, SEQ, FEATURES)).astype("float32")
+    want = layer(x)
+    copy = tfmp.layers.MixtureOfExperts.from_config(layer.get_config())
+    copy(x)
+    copy.set_weights(layer.get_weights())
+    np.testing.assert_allclose(copy(x), want, rtol=1e-6)
+    assert copy.axis == "expert" and copy.top_k == 1
+
+
+def test_saved_on_one_mesh_loads_on_another(tmp_path):
+    """A `.keras` file saved with the experts over 8 devices loads in a 2x4
+    scope with them over 2, and predicts the same."""
+    x, _ = data(rows=8, seed=4)
+    with strategy_on((8, 1)).scope():
+        model = build_moe_model(num_experts=8)
+    want = model.predict(x, verbose=0)
+    model.save(tmp_path / "moe.keras")
+    with strategy_on((2, 4), AROUND).scope():
+        loaded = keras.models.load_model(tmp_path / "moe.keras")
+    bank = loaded.get_layer("moe").expert_kernel_in.value
+    assert tuple(bank.layout.sharding_specs) == ("batch", "unsharded", "unsharded")
+    assert bank.layout.mesh.dim_size("batch") == 2
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6)
