@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from helpers import assert_parity, rules, strategy_on
+from helpers import assert_parity, initial_weights, rows_reversed_within_batches, rules, strategy_on, train
 from tfmp.inspect.summary import placements
 
 SEQ, FEATURES = 12, 16
@@ -154,3 +154,54 @@ def test_saved_on_one_mesh_loads_on_another(tmp_path):
     assert tuple(bank.layout.sharding_specs) == ("batch", "unsharded", "unsharded")
     assert bank.layout.mesh.dim_size("batch") == 2
     np.testing.assert_allclose(loaded.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6)
+
+
+def fit_under(policy, weights, strategy=None, reverse_rows=False):
+    """The mixture model trained 5 batches of Adam under `policy`: its batch
+    losses, its weights in float64, and the model."""
+    keras.config.set_dtype_policy(policy)
+    try:
+        with (strategy or tf.distribute.get_strategy()).scope():
+            model = build_moe_model()
+            model.set_weights(weights)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    finally:
+        keras.config.set_dtype_policy("float32")
+    x, y = data(seed=5)
+    if reverse_rows:
+        order = rows_reversed_within_batches(len(x), 8)
+        x, y = x[order], y[order]
+    losses, _ = train(model, x, y, batch_size=8)
+    return np.array(losses), [np.asarray(w, "float64") for w in model.get_weights()], model
+
+
+def distance(run, reference):
+    """The largest loss and weight differences of a `(losses, weights)` run from another."""
+    (losses, weights), (reference_losses, reference_weights) = run, reference
+    return {
+        "loss": float(np.max(np.abs(losses - reference_losses))),
+        "weights": max(float(np.max(np.abs(p - q))) for p, q in zip(weights, reference_weights, strict=True)),
+    }
+
+
+def test_mixed_precision_routes_in_float32():
+    """Under mixed_bfloat16 the experts compute in bfloat16 and the router in
+    float32 (its kernel is not autocast). bfloat16 rounds the experts' sums
+    in another order on 2x4 than on one device, so the mesh is held to the
+    yardstick of tests/test_mixed_precision.py: no further from float64
+    training than one device in bfloat16 is (rows as given or reversed
+    within each batch; routing is per example, so both orders route alike),
+    within a factor of 2."""
+    weights = initial_weights(build_moe_model)
+    exact = fit_under("float64", weights)[:2]
+    one_device = [distance(fit_under("mixed_bfloat16", weights, reverse_rows=r)[:2], exact) for r in (False, True)]
+    device_mesh = tfmp.DeviceMesh((2, 4), ("batch", "model"))
+    *run, model = fit_under("mixed_bfloat16", weights, tfmp.ModelParallelStrategy(device_mesh, AROUND(device_mesh)))
+    on_mesh = distance(run, exact)
+    print(f"to float64: one device {one_device}, mesh {on_mesh}")
+    assert min(d["weights"] for d in one_device) > 1e-4  # bf16 rounding is what is measured
+    for quantity in ("loss", "weights"):
+        assert on_mesh[quantity] <= 2 * max(d[quantity] for d in one_device), quantity
+    layer = model.get_layer("moe")
+    assert layer.router_kernel.dtype == "float32" and not layer.router_kernel._autocast
+    assert layer.expert_kernel_in.dtype == "float32" and layer.compute_dtype == "bfloat16"

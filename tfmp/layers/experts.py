@@ -20,7 +20,8 @@ class MixtureOfExperts(DeclaresLayouts, keras.layers.Layer):
     """Feed-forward experts with top-k routing and a capacity per example (GShard, Switch).
 
     Takes `(batch, sequence, features)` and returns the same shape. A router
-    (a `features -> num_experts` kernel, softmax) sends each token to its
+    (a `features -> num_experts` kernel and a softmax, in float32 under any
+    dtype policy) sends each token to its
     `top_k` most probable experts, each a two-layer network `features ->
     hidden_dim (activation) -> features`. The output is the chosen experts'
     outputs weighted by the router's probabilities, renormalized over the
@@ -108,8 +109,14 @@ class MixtureOfExperts(DeclaresLayouts, keras.layers.Layer):
                 "the model's keras.Input a full shape, e.g. keras.Input((128, 512))."
             )
         features, experts, hidden = int(input_shape[2]), self.num_experts, self.hidden_dim
+        # Routing in float32 whatever the compute dtype (Switch Transformer's
+        # selective precision): a bfloat16 router would tie and flip choices.
         self.router_kernel = self.add_weight(
-            name="router_kernel", shape=(features, experts), initializer=self.kernel_initializer
+            name="router_kernel",
+            shape=(features, experts),
+            initializer=self.kernel_initializer,
+            dtype="float32",
+            autocast=False,
         )
         self.expert_kernel_in = self.add_weight(
             name="expert_kernel_in", shape=(experts, features, hidden), initializer=self.kernel_initializer
@@ -132,9 +139,8 @@ class MixtureOfExperts(DeclaresLayouts, keras.layers.Layer):
                 f"by the size of mesh axis '{self.axis}' ({mesh.dim_size(self.axis)}). Choose "
                 "a number of experts that does, or another axis."
             )
-        probabilities = ops.softmax(
-            ops.cast(ops.einsum("gsm,me->gse", inputs, self.router_kernel), "float32"), axis=-1
-        )
+        logits = ops.einsum("gsm,me->gse", ops.cast(inputs, "float32"), self.router_kernel)
+        probabilities = ops.softmax(logits, axis=-1)
         dispatch, combine = self._routes(probabilities, self.capacity(inputs.shape[1]))
         if self.aux_loss_weight:
             self._add_balance_loss(probabilities)
