@@ -110,6 +110,19 @@ def test_experts_over_their_own_axis_route_the_same_tokens_and_sum():
     assert any(c.kind == "all-reduce" and c.axes == ("expert",) and c.phase == "forward" for c in moe), moe
 
 
+def test_experts_with_context_parallelism():
+    """A 2x2x2 ("batch", "sequence", "model") mesh with the sequence split
+    over "sequence" (`context_parallel`) and the layers around tensor-parallel
+    over "model": the capacity still counts each example's whole sequence,
+    so the same tokens are kept and dropped."""
+    x, y = data(seed=6)
+    device_mesh = tfmp.DeviceMesh((2, 2, 2), ("batch", "sequence", "model"))
+    strategy = tfmp.ModelParallelStrategy(device_mesh, AROUND(device_mesh), context_parallel="sequence")
+    model = assert_parity(build_moe_model, None, x, y, steps=5, batch_size=8, strategy=strategy)
+    exchanges = [c for c in _collectives(model) if "moe" in c.op and c.kind == "all-to-all"]
+    assert exchanges and all(c.axes == ("batch",) for c in exchanges)
+
+
 def test_expert_count_that_does_not_divide_is_a_clear_error():
     strategy = strategy_on((2, 4), AROUND)
     with strategy.scope():
