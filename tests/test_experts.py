@@ -123,6 +123,57 @@ def test_experts_with_context_parallelism():
     assert exchanges and all(c.axes == ("batch",) for c in exchanges)
 
 
+class SwitchExperts(keras.layers.Layer):
+    """A Switch Transformer layer as a user writes it with keras.ops: top-1
+    routing with a capacity per example, dispatch and combine einsums, and
+    the experts' weights in banks of shape (experts, ...). No tfmp in it."""
+
+    def __init__(self, num_experts, hidden_dim, capacity, **kwargs):
+        super().__init__(**kwargs)
+        self.num_experts, self.hidden_dim, self.capacity = num_experts, hidden_dim, capacity
+
+    def build(self, input_shape):
+        features = input_shape[-1]
+        self.router = self.add_weight(name="router", shape=(features, self.num_experts))
+        self.w_in = self.add_weight(name="w_in", shape=(self.num_experts, features, self.hidden_dim))
+        self.w_out = self.add_weight(name="w_out", shape=(self.num_experts, self.hidden_dim, features))
+
+    def call(self, x):
+        probabilities = keras.ops.softmax(keras.ops.einsum("gsm,me->gse", x, self.router))
+        chosen = keras.ops.one_hot(keras.ops.argmax(probabilities, axis=-1), self.num_experts)
+        slot = keras.ops.cumsum(chosen, axis=1) - chosen
+        kept = chosen * keras.ops.cast(slot < self.capacity, "float32")
+        dispatch = kept[..., None] * keras.ops.one_hot(keras.ops.cast(slot, "int32"), self.capacity)
+        combine = dispatch * keras.ops.sum(probabilities * chosen, axis=-1)[:, :, None, None]
+        tokens = keras.ops.einsum("gsec,gsm->egcm", dispatch, x)
+        hidden = keras.ops.relu(keras.ops.einsum("egcm,emh->egch", tokens, self.w_in))
+        return keras.ops.einsum("gsec,egcm->gsm", combine, keras.ops.einsum("egch,ehm->egcm", hidden, self.w_out))
+
+
+@pytest.mark.parametrize("split_on_use", [True, False], ids=["split_on_use", "gathered"])
+def test_banks_of_a_users_own_layer_split_on_use_move_the_tokens(split_on_use):
+    """A user's own mixture with its banks over "batch" by LayoutMap rules,
+    8 experts on 8x1. Laid out `tfmp.split_on_use`, the banks stay split as
+    the layer reads them and DTensor brings the dispatched tokens to them
+    (by an all-to-all, or by gathering the tokens: its layout propagation
+    chose either in this file, depending on what ran before); by a plain
+    rule, tfmp gathers the banks over "batch" as it reads them (fully
+    sharded). Both train as one device."""
+
+    def build():
+        tokens = keras.Input((SEQ, FEATURES))
+        x = keras.layers.Dense(FEATURES, name="proj")(tokens)
+        x = keras.layers.Add()([x, SwitchExperts(8, 24, capacity=3, name="moe")(x)])
+        return keras.Model(tokens, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(x)))
+
+    mark = tfmp.split_on_use if split_on_use else tuple
+    banks = rules({"moe/w_(in|out)": mark(("batch", None, None))})
+    x, y = data(rows=32, seed=7)
+    model = assert_parity(build, banks, x, y, mesh_shape=(8, 1), steps=4, batch_size=8)
+    gathers = [c for c in _collectives(model) if c.category == "weight-gathers"]
+    assert bool(gathers) != split_on_use, gathers
+
+
 def test_expert_count_that_does_not_divide_is_a_clear_error():
     strategy = strategy_on((2, 4), AROUND)
     with strategy.scope():

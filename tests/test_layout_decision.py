@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import tfmp
 from helpers import initial_weights, mesh, rows_reversed_within_batches, train
-from tfmp.layout import gather_on_use
+from tfmp.layout import gather_on_use, split_on_use
 from tfmp.layout_decision import decide_layout, is_floating_point
 
 MESH_2X4 = {"batch": 2, "model": 4}
@@ -108,6 +108,20 @@ def test_gather_on_use_layouts_name_their_gathered_axes():
     assert decision.axes == ("batch", None, None, "model")
     assert decision.gathered_on_use == ("model",)
     assert decide_layout("m/up/kernel", (16, 32), "float32", MESH_2X4, rule=RULE).gathered_on_use == ()
+
+
+def test_split_on_use_layouts_are_not_gathered_over_the_batch_axis():
+    from tfmp.strategy.variable_layout import gathered_axes
+
+    rule = ("moe/w_in", split_on_use(("batch", None, "model")))
+    decision = decide_layout("moe/w_in", (8, 16, 32), "float32", MESH_2X4, rule=rule)
+    assert decision.axes == ("batch", None, "model") and decision.split_on_use
+    assert gathered_axes("batch", decision) == ()
+    fully_sharded = decide_layout("m/up/kernel", (16, 32), "float32", MESH_2X4, rule=RULE, fully_shard_axis="batch")
+    assert not fully_sharded.split_on_use and gathered_axes("batch", fully_sharded) == ("batch",)
+    layout_map = tfmp.LayoutMap(mesh((2, 4)))
+    layout_map["moe/w_in"] = split_on_use(("batch", None, "model"))
+    assert repr(layout_map["moe/w_in"]) == "split_on_use(('batch', None, 'model'))"
 
 
 def test_bad_layouts_are_refused_with_the_fix():

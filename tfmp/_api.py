@@ -12,7 +12,7 @@ from tfmp.devices import list_devices, simulate_devices  # noqa: E402
 from tfmp.distributed import initialize  # noqa: E402
 from tfmp.inspect.comm_report import comm_report  # noqa: E402
 from tfmp.inspect.summary import summary  # noqa: E402
-from tfmp.layout import LayoutMap, gather_on_use  # noqa: E402
+from tfmp.layout import LayoutMap, gather_on_use, split_on_use  # noqa: E402
 from tfmp.mesh import DeviceMesh  # noqa: E402
 from tfmp.pipeline.balance import balance  # noqa: E402
 from tfmp.strategy import ModelParallelStrategy  # noqa: E402
@@ -32,6 +32,7 @@ __all__ = [
     "balance",
     "comm_report",
     "gather_on_use",
+    "split_on_use",
     "initialize",
     "list_devices",
     "plot_memory",

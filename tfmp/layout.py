@@ -34,15 +34,45 @@ class GatheredOnUse(tuple):
         return f"gather_on_use({tuple(self)!r})"
 
 
-class ComputedSplit(tuple):
+class SplitOnUse(tuple):
     """Axes a variable is stored split over and its layer computes with it
-    split over, the batch axis included: a layer's declared layout for
-    weights the tokens travel to (`tfmp.layers.MixtureOfExperts`' expert
-    banks), which tfmp would otherwise gather over the batch axis as the
-    layer reads them."""
+    split over, the batch axis included.
+
+    Made by `split_on_use`; a `LayoutMap` value or a layer's declared layout.
+    """
 
     def __repr__(self) -> str:
-        return f"ComputedSplit({tuple(self)!r})"
+        return f"split_on_use({tuple(self)!r})"
+
+
+def split_on_use(axes: Sequence[str | None]) -> SplitOnUse:
+    """A layout its layer computes with as stored, even split over the batch axis.
+
+    tfmp reads a weight split over the axis that splits the batch gathered
+    over that axis (fully sharded data parallelism: the activations it
+    meets are split over the batch already). A weight laid out
+    `split_on_use` stays split as its layer reads it, and the activations
+    go to it instead: DTensor moves them. This is expert parallelism for a
+    mixture of experts' banks `(experts, ...)` split over the batch axis:
+    the dispatched tokens reach their experts' devices by an all-to-all, and
+    come back by another (`tfmp.layers.MixtureOfExperts` declares its banks
+    so). On axes other than the batch's it is an ordinary layout.
+
+    Args:
+        axes: One mesh axis name or None per dimension of the variable.
+
+    Returns:
+        The axes, marked as split on use.
+
+    Examples:
+        >>> import tfmp
+        >>> mesh = tfmp.DeviceMesh((8, 1), ("batch", "model"))
+        >>> layout_map = tfmp.LayoutMap(mesh)
+        >>> layout_map["moe/expert_kernel"] = tfmp.split_on_use(("batch", None, None))
+        >>> layout_map["moe/expert_kernel"]
+        split_on_use(('batch', None, None))
+    """
+    return SplitOnUse(_as_axes(axes))
 
 
 def gather_on_use(axes: Sequence[str | None]) -> GatheredOnUse:
@@ -416,7 +446,7 @@ def _as_axes(axes: Any) -> Axes:
                 f"Layout {tuple(axes)} holds {axis!r}: each entry must be a mesh "
                 "axis name or None."
             )
-    return type(axes)(axes) if isinstance(axes, (GatheredOnUse, ComputedSplit)) else tuple(axes)
+    return type(axes)(axes) if isinstance(axes, (GatheredOnUse, SplitOnUse)) else tuple(axes)
 
 
 @contextlib.contextmanager

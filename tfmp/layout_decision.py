@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
-from tfmp.layout import Axes, ComputedSplit, GatheredOnUse, UndividedDimension
+from tfmp.layout import Axes, GatheredOnUse, SplitOnUse, UndividedDimension
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +33,8 @@ class LayoutDecision:
             it (a `tfmp.gather_on_use` layout's), besides the batch axis.
         undivided: The dimensions its layout splits and its mesh cannot (the
             size does not divide): kept whole.
-        computed_split: Whether its layer computes with it as stored, the
-            batch axis included (a `tfmp.layout.ComputedSplit` declaration).
+        split_on_use: Whether its layer computes with it as stored, the
+            batch axis included (a `tfmp.split_on_use` layout).
 
     Examples:
         >>> from tfmp.layout_decision import decide_layout
@@ -53,7 +53,7 @@ class LayoutDecision:
     why: str
     gathered_on_use: tuple[str, ...] = ()
     undivided: tuple[UndividedDimension, ...] = ()
-    computed_split: bool = False
+    split_on_use: bool = False
 
 
 def decide_layout(
@@ -132,7 +132,7 @@ def decide_layout(
     why = described
     if fully_shard_axis is not None:
         split, why = _fully_sharded(split, shape, dtype, mesh_axes, fully_shard_axis, why)
-    return LayoutDecision(split, source, why, gathered, undivided, isinstance(axes, ComputedSplit))
+    return LayoutDecision(split, source, why, gathered, undivided, isinstance(axes, SplitOnUse))
 
 
 def is_floating_point(dtype: Any) -> bool:

@@ -12,7 +12,7 @@ from tensorflow.experimental import dtensor
 
 from tfmp.forward import batch_spec, forward_mesh
 from tfmp.layers.declaring import DeclaresLayouts
-from tfmp.layout import Axes, ComputedSplit
+from tfmp.layout import Axes, split_on_use
 
 
 @keras.saving.register_keras_serializable(package="tfmp")
@@ -95,10 +95,10 @@ class MixtureOfExperts(DeclaresLayouts, keras.layers.Layer):
     def weight_layouts(self) -> dict[str, Axes]:
         return {
             "router_kernel": (None, None),
-            "expert_kernel_in": ComputedSplit((self.axis, None, None)),
-            "expert_bias_in": ComputedSplit((self.axis, None)),
-            "expert_kernel_out": ComputedSplit((self.axis, None, None)),
-            "expert_bias_out": ComputedSplit((self.axis, None)),
+            "expert_kernel_in": split_on_use((self.axis, None, None)),
+            "expert_bias_in": split_on_use((self.axis, None)),
+            "expert_kernel_out": split_on_use((self.axis, None, None)),
+            "expert_bias_out": split_on_use((self.axis, None)),
         }
 
     def build(self, input_shape: Any) -> None:

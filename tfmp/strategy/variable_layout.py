@@ -58,8 +58,8 @@ def gathered_axes(batch_axis: str | None, decision: LayoutDecision) -> tuple[str
 
     The batch axis (the activations a weight meets are split over it, so a
     weight split over it is fully sharded) unless its layer computes with it
-    split so (`tfmp.layout.ComputedSplit`), and every axis of its layout if
+    split so (`tfmp.split_on_use`), and every axis of its layout if
     that is a `tfmp.gather_on_use` layout.
     """
-    gathered = [batch_axis] if batch_axis and not decision.computed_split else []
+    gathered = [batch_axis] if batch_axis and not decision.split_on_use else []
     return (*gathered, *(axis for axis in decision.gathered_on_use if axis not in gathered))
