@@ -86,6 +86,19 @@ def test_experts_split_over_the_batch_axis_exchange_tokens_by_all_to_all():
     assert not [c for c in moe if "batch" in c.axes and c.kind == "all-gather" or c.category == "weight-gathers"]
 
 
+def test_every_expert_per_token_and_an_eager_call():
+    """top_k = num_experts (routing continuous: no choice can flip) trains
+    as one device, and the model called eagerly under the strategy (tfmp
+    runs the call on the mesh; no strategy step, so DTensor places the
+    tokens) gives one device's outputs."""
+    x, y = data(seed=8)
+    build = lambda: build_moe_model(num_experts=4, top_k=4)  # noqa: E731
+    model = assert_parity(build, AROUND, x, y, mesh_shape=(2, 4), steps=5, batch_size=8)
+    reference = build()
+    reference.set_weights(model.get_weights())
+    np.testing.assert_allclose(np.asarray(model(x[:8])), reference(x[:8]), rtol=1e-5, atol=1e-6)
+
+
 def test_one_expert_per_device_with_switch_routing():
     """Top-1 (Switch) routing, 8 experts over 8 devices, no balance loss."""
     x, y = data(seed=1)

@@ -198,22 +198,25 @@ class MixtureOfExperts(DeclaresLayouts, keras.layers.Layer):
 
 def _to_experts(tokens: Any, mesh: dtensor.Mesh | None, axis: str, inputs: Any) -> Any:
     """`(experts, batch, capacity, features)` dispatched tokens split over
-    `axis` by expert: from the batch's split, an all-to-all."""
-    if mesh is None or axis not in mesh.dim_names:
+    `axis` by expert: from the batch's split over `axis`, an all-to-all;
+    from a whole batch (one that does not divide) or one split over another
+    axis, a slice. In an eager call (no strategy step) DTensor places them."""
+    tokens_batch = _tokens_batch(mesh, axis, inputs)
+    if tokens_batch is None:
         return tokens
     unsharded = dtensor.UNSHARDED
     return _exchanged(
         tokens,
-        dtensor.Layout([unsharded, batch_spec(inputs, mesh, other_axis=""), unsharded, unsharded], mesh),
-        dtensor.Layout([axis, batch_spec(inputs, mesh, other_axis=axis), unsharded, unsharded], mesh),
+        dtensor.Layout([unsharded, tokens_batch, unsharded, unsharded], mesh),
+        dtensor.Layout([axis, unsharded if tokens_batch == axis else tokens_batch, unsharded, unsharded], mesh),
     )
 
 
 def _to_tokens(outputs: Any, mesh: dtensor.Mesh | None, axis: str, inputs: Any) -> Any:
-    """The experts' outputs back with their tokens, where `axis` splits the
-    batch (an all-to-all); over another axis they stay split by expert, and
-    combining them sums over it."""
-    if mesh is None or axis not in mesh.dim_names or batch_spec(inputs, mesh, other_axis="") != axis:
+    """The experts' outputs back with their tokens where `axis` splits the
+    batch (an all-to-all). Elsewhere they stay split by expert, and
+    combining them sums over `axis`."""
+    if _tokens_batch(mesh, axis, inputs) != axis:
         return outputs
     unsharded = dtensor.UNSHARDED
     return _exchanged(
@@ -223,9 +226,23 @@ def _to_tokens(outputs: Any, mesh: dtensor.Mesh | None, axis: str, inputs: Any) 
     )
 
 
+def _tokens_batch(mesh: dtensor.Mesh | None, axis: str, inputs: Any) -> str | None:
+    """How the strategy's step splits the tokens' batch (a mesh axis, or
+    UNSHARDED), where the layer moves the tokens itself; None on no mesh,
+    a mesh without `axis`, or outside a strategy's step (an eager call,
+    whose tokens DTensor places: there the layer's relayouts met DTensor's
+    all-to-all bug)."""
+    if mesh is None or axis not in mesh.dim_names:
+        return None
+    if getattr(tf.distribute.get_strategy(), "batch_axis", None) is None:
+        return None
+    return batch_spec(inputs, mesh, other_axis="")
+
+
 def _exchanged(value: Any, before: dtensor.Layout, after: dtensor.Layout) -> Any:
-    """`value` moved from `before` to `after`, layouts that split one mesh
-    axis on different dimensions (an all-to-all), in both passes. DTensor
+    """`value` moved from `before` to `after`, which differ in one
+    dimension's split (an all-to-all where one mesh axis moves between
+    dimensions, else a slice), in both passes. DTensor
     lowers a relayout that also gathers another dimension (the features,
     split where the layers around are tensor-parallel) to an all-to-all of
     the wrong shape ("'tf.Reshape' op requires 'output' number of elements
