@@ -115,10 +115,13 @@ def test_split_on_use_layouts_are_not_gathered_over_the_batch_axis():
 
     rule = ("moe/w_in", split_on_use(("batch", None, "model")))
     decision = decide_layout("moe/w_in", (8, 16, 32), "float32", MESH_2X4, rule=rule)
-    assert decision.axes == ("batch", None, "model") and decision.split_on_use
+    assert decision.axes == ("batch", None, "model") and decision.split_on_use == ("batch", "model")
     assert gathered_axes("batch", decision) == ()
-    fully_sharded = decide_layout("m/up/kernel", (16, 32), "float32", MESH_2X4, rule=RULE, fully_shard_axis="batch")
-    assert not fully_sharded.split_on_use and gathered_axes("batch", fully_sharded) == ("batch",)
+    # On "model" only, fully sharded over "batch": the added split is gathered.
+    rule = ("moe/w_out", split_on_use((None, None, "model")))
+    model_only = decide_layout("moe/w_out", (8, 16, 32), "float32", MESH_2X4, rule=rule, fully_shard_axis="batch")
+    assert model_only.axes == (None, "batch", "model") and model_only.split_on_use == ("model",)
+    assert gathered_axes("batch", model_only) == ("batch",)
     layout_map = tfmp.LayoutMap(mesh((2, 4)))
     layout_map["moe/w_in"] = split_on_use(("batch", None, "model"))
     assert repr(layout_map["moe/w_in"]) == "split_on_use(('batch', None, 'model'))"

@@ -51,12 +51,14 @@ def split_on_use(axes: Sequence[str | None]) -> SplitOnUse:
     tfmp reads a weight split over the axis that splits the batch gathered
     over that axis (fully sharded data parallelism: the activations it
     meets are split over the batch already). A weight laid out
-    `split_on_use` stays split as its layer reads it, and the activations
-    go to it instead: DTensor moves them. This is expert parallelism for a
-    mixture of experts' banks `(experts, ...)` split over the batch axis:
-    the dispatched tokens reach their experts' devices by an all-to-all, and
-    come back by another (`tfmp.layers.MixtureOfExperts` declares its banks
-    so). On axes other than the batch's it is an ordinary layout.
+    `split_on_use` stays split as its layer reads it, and DTensor brings the
+    activations to it instead. For a mixture of experts' banks `(experts,
+    ...)` split over the batch axis this is expert parallelism: each device
+    holds and updates only its experts, and the dispatched tokens reach
+    them, by an all-to-all or by a gather, as DTensor's layout propagation
+    chooses (`tfmp.layers.MixtureOfExperts` declares its banks so and moves
+    its tokens itself, by all-to-all). On axes other than the batch's it is
+    an ordinary layout.
 
     Args:
         axes: One mesh axis name or None per dimension of the variable.

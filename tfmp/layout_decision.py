@@ -33,8 +33,9 @@ class LayoutDecision:
             it (a `tfmp.gather_on_use` layout's), besides the batch axis.
         undivided: The dimensions its layout splits and its mesh cannot (the
             size does not divide): kept whole.
-        split_on_use: Whether its layer computes with it as stored, the
-            batch axis included (a `tfmp.split_on_use` layout).
+        split_on_use: The mesh axes its layer reads it split over even where
+            one splits the batch (a `tfmp.split_on_use` layout's); an axis
+            `fully_shard` adds is not among them.
 
     Examples:
         >>> from tfmp.layout_decision import decide_layout
@@ -53,7 +54,7 @@ class LayoutDecision:
     why: str
     gathered_on_use: tuple[str, ...] = ()
     undivided: tuple[UndividedDimension, ...] = ()
-    split_on_use: bool = False
+    split_on_use: tuple[str, ...] = ()
 
 
 def decide_layout(
@@ -126,13 +127,15 @@ def decide_layout(
     else:
         source, described, axes, lenient = "replicated", "no rule: replicated", (None,) * len(shape), False
     split, undivided = _checked(axes, shape, mesh_axes, path, described, lenient)
-    gathered = ()
+    gathered = kept = ()
     if isinstance(axes, GatheredOnUse):
         gathered = tuple(axis for axis in axes if axis and mesh_axes.get(axis, 1) > 1)
+    if isinstance(axes, SplitOnUse):
+        kept = tuple(axis for axis in split if axis)
     why = described
     if fully_shard_axis is not None:
         split, why = _fully_sharded(split, shape, dtype, mesh_axes, fully_shard_axis, why)
-    return LayoutDecision(split, source, why, gathered, undivided, isinstance(axes, SplitOnUse))
+    return LayoutDecision(split, source, why, gathered, undivided, kept)
 
 
 def is_floating_point(dtype: Any) -> bool:

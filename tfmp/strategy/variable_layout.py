@@ -57,9 +57,9 @@ def gathered_axes(batch_axis: str | None, decision: LayoutDecision) -> tuple[str
     """The mesh axes a variable is gathered over when its layer reads it.
 
     The batch axis (the activations a weight meets are split over it, so a
-    weight split over it is fully sharded) unless its layer computes with it
-    split so (`tfmp.split_on_use`), and every axis of its layout if
+    weight split over it is fully sharded) unless its layout is a
+    `tfmp.split_on_use` one that names it, and every axis of its layout if
     that is a `tfmp.gather_on_use` layout.
     """
-    gathered = [batch_axis] if batch_axis and not decision.split_on_use else []
+    gathered = [batch_axis] if batch_axis and batch_axis not in decision.split_on_use else []
     return (*gathered, *(axis for axis in decision.gathered_on_use if axis not in gathered))
