@@ -48,7 +48,7 @@ def test_routes_by_choice_then_position_and_drops_past_capacity():
     capacity = layer.capacity(4)  # ceil(2 * 4 * 0.75 / 2)
     assert capacity == 3
     probabilities = tf.constant([[[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.4, 0.6]]])
-    dispatch, combine = (np.asarray(t) for t in layer._routes(probabilities, capacity))
+    dispatch, combine, first = (np.asarray(t) for t in layer._routes(probabilities, capacity))
     # Expert 0: first choices of tokens 0, 1, 2 fill its 3 slots; token 3's
     # second choice is dropped. Expert 1: token 3 (first choice), then the
     # second choices of tokens 0 and 1; token 2's is dropped.
@@ -58,6 +58,7 @@ def test_routes_by_choice_then_position_and_drops_past_capacity():
         want[0, token, expert, slot] = 1.0
     np.testing.assert_array_equal(dispatch, want)
     np.testing.assert_allclose(combine.sum(axis=-1)[0], [[0.9, 0.1], [0.8, 0.2], [0.7, 0.0], [0.0, 0.6]], rtol=1e-6)
+    np.testing.assert_array_equal(first[0], [[1, 0], [1, 0], [1, 0], [0, 1]])
 
 
 def test_experts_split_over_the_batch_axis_exchange_tokens_by_all_to_all():

@@ -141,9 +141,9 @@ class MixtureOfExperts(DeclaresLayouts, keras.layers.Layer):
             )
         logits = ops.einsum("gsm,me->gse", ops.cast(inputs, "float32"), self.router_kernel)
         probabilities = ops.softmax(logits, axis=-1)
-        dispatch, combine = self._routes(probabilities, self.capacity(inputs.shape[1]))
+        dispatch, combine, first_choices = self._routes(probabilities, self.capacity(inputs.shape[1]))
         if self.aux_loss_weight:
-            self._add_balance_loss(probabilities)
+            self._add_balance_loss(probabilities, first_choices)
         expert_inputs = ops.einsum("gsec,gsm->egcm", ops.cast(dispatch, inputs.dtype), inputs)
         expert_inputs = _to_experts(expert_inputs, mesh, self.axis, inputs)
         kernel_in, bias_in, kernel_out, bias_out = (
@@ -155,14 +155,18 @@ class MixtureOfExperts(DeclaresLayouts, keras.layers.Layer):
         outputs = _to_tokens(outputs, mesh, self.axis, inputs)
         return ops.einsum("gsec,egcm->gsm", ops.cast(combine, inputs.dtype), outputs)
 
-    def _routes(self, probabilities: Any, capacity: int) -> tuple[Any, Any]:
-        """`(dispatch, combine)`, each `(batch, sequence, experts, capacity)`:
-        1 where a token takes a slot of an expert, and its weight there."""
+    def _routes(self, probabilities: Any, capacity: int) -> tuple[Any, Any, Any]:
+        """`(dispatch, combine, first choices)`: the first two `(batch,
+        sequence, experts, capacity)`, 1 where a token takes a slot of an
+        expert and its weight there; the last each token's first expert,
+        one-hot `(batch, sequence, experts)`."""
         remaining = probabilities
         taken = ops.zeros_like(probabilities[:, 0, :])  # slots filled per example and expert
         choices, gates = [], []
         for _ in range(self.top_k):
             chosen = ops.one_hot(ops.argmax(remaining, axis=-1), self.num_experts, dtype="float32")
+            if not choices:
+                first_choices = chosen
             slot = ops.cumsum(chosen, axis=1) - chosen + taken[:, None, :]  # 0-based, in order
             taken = taken + ops.sum(chosen, axis=1)
             kept = chosen * ops.cast(slot < capacity, "float32")
@@ -172,11 +176,10 @@ class MixtureOfExperts(DeclaresLayouts, keras.layers.Layer):
         total = sum(gates) if self.top_k > 1 else 1.0
         dispatch = sum(choices)
         combine = sum((gate / total)[:, :, None, None] * choice for gate, choice in zip(gates, choices))
-        return dispatch, combine
+        return dispatch, combine, first_choices
 
-    def _add_balance_loss(self, probabilities: Any) -> None:
-        first = ops.one_hot(ops.argmax(probabilities, axis=-1), self.num_experts, dtype="float32")
-        share = ops.mean(first, axis=(0, 1))
+    def _add_balance_loss(self, probabilities: Any, first_choices: Any) -> None:
+        share = ops.mean(first_choices, axis=(0, 1))
         mean_probability = ops.mean(probabilities, axis=(0, 1))
         self.add_loss(self.aux_loss_weight * self.num_experts * ops.sum(share * mean_probability))
 
