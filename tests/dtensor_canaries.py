@@ -332,6 +332,19 @@ def _cross_entropy_takes_a_label_past_split_classes():
     return bool(np.all(np.isfinite(whole(loss)))), f"a loss of {whole(loss)} for labels [0, 8] of 8 classes"
 
 
+@probe("nn.dot_product_attention", "the dot_product_attention lowering (tfmp/lowering/attention.py)")
+def _attention_softmax_over_every_key():
+    """Keras' attention on TensorFlow (no DTensor behaviour: Keras' own)
+    takes the softmax of each query's scores against every key at once, so
+    its backward pass keeps `(batch, heads, queries, keys)` scores."""
+    from keras.src.backend.tensorflow.nn import dot_product_attention
+
+    x = tf.zeros((1, 8, 2, 4))
+    graph = tf.function(lambda x: dot_product_attention(x, x, x, is_causal=True)).get_concrete_function(x).graph
+    shapes = sorted(tuple(op.outputs[0].shape) for op in graph.get_operations() if op.type == "Softmax")
+    return (1, 2, 8, 8) in shapes, f"softmax outputs shaped {shapes}"
+
+
 @probe("tf.var_handle_op", "the var_handle_op patch (tfmp/strategy/variable_handles.py)")
 def _each_variable_name_is_laid_out_anew():
     """Two variables of one shape and layout, two names: DTensor lays out

@@ -503,3 +503,34 @@ def test_keras_hub_backbone_with_auto_layout_matches_single_device(name):
     # GPT-2 keeps its default dropout (0.1): random draws equal one device's.
     x, _, _ = token_data(n=12)
     assert_parity(build, lambda device_mesh: "auto", x, y)
+
+
+def test_expert_banks_split_over_an_expert_axis():
+    """On a ("batch", "expert", "model") mesh, "auto" splits KerasHub
+    Mixtral's expert banks on their experts over "expert", says so in
+    `reasons`, and the rest Megatron-style over "model"; the model trains
+    like one device (every device of "expert" computes its experts for the
+    tokens it holds, their sum over the axis is the mixture's output), and
+    no axis is left idle."""
+    import warnings
+
+    from hub_backbones import BACKBONES
+    from test_keras_interop import token_data
+
+    def build():
+        backbone = BACKBONES["MixtralBackbone"]()
+        pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
+        return keras.Model(backbone.input, keras.layers.Dense(4, name="classifier")(pooled))
+
+    device_mesh = mesh((2, 2, 2), ("batch", "expert", "model"))
+    plan = tfmp.auto_layout(build(), device_mesh)
+    banks = {path: axes for path, axes in plan.items() if "expert" in axes}
+    assert banks and all(axes[0] == "expert" and set(axes[1:]) == {None} for axes in banks.values()), banks
+    assert all(plan.reasons[path.strip("^$").replace("\\", "")].endswith("over 'expert', the mesh's expert axis")
+               for path in banks)
+    assert any("model" in axes for axes in plan.values())
+    x, _, _ = token_data(n=12)
+    y = np.random.default_rng(0).normal(size=(12, 4)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*splits nothing.*")
+        assert_parity(build, x=x, y=y, strategy=tfmp.ModelParallelStrategy(device_mesh, "auto"))

@@ -24,22 +24,23 @@ def context_parallel_strategy(layout_map_fn=megatron_layout_map, **kwargs):
     return tfmp.ModelParallelStrategy(device_mesh, layout_map_fn(device_mesh), **kwargs)
 
 
-def per_device_scores_shapes(model) -> set:
-    """The shapes of the attention scores' softmax on each device, from the
-    graphs of the model's first steps."""
+def per_device_score_shapes(model) -> set:
+    """The shapes of the exponentiated attention scores on each device, in
+    the forward and backward passes of the model's first steps."""
     return {
         tuple(dim.size for dim in node.attr["_output_shapes"].list.shape[0].dim)
         for function in filter(is_train_step, first_step_graphs_of(model).function_graphs)
         for partition in function.partition_graphs
         for node in partition.node
-        if node.op.endswith("Softmax") and "attention" in node.name and node.attr["_output_shapes"].list.shape
+        if node.op == "Exp" and "attention" in node.name and len(node.attr["_output_shapes"].list.shape[0].dim) == 4
     }
 
 
 def test_megatron_lm_with_context_parallelism_matches_one_device():
     """The demo LM (causal mask) with Megatron's rules on "model": each
     device computes the scores of its half of the batch's rows, half of the
-    heads and half of the queries against all the keys, which it gathers."""
+    heads and half of the queries against each half of the keys in turn
+    (attention a block of keys at a time, `tfmp/lowering/attention.py`)."""
     model = demo_lm_like_one_device(
         context_parallel_strategy(context_parallel=True), compile_lm, N, BATCH, SEQUENCE, num_heads=HEADS
     )
@@ -49,20 +50,26 @@ def test_megatron_lm_with_context_parallelism_matches_one_device():
         for name in ("attention", "attention_norm", "ffn_norm")
     }
     batch_rows, heads = BATCH // 2, HEADS // 2
-    assert (batch_rows, heads, SEQUENCE // 2, SEQUENCE) in per_device_scores_shapes(model)
+    block = (batch_rows, heads, SEQUENCE // 2, SEQUENCE // 2)
+    # Blocks of scores, and the running maximum's rescaling of each query.
+    assert per_device_score_shapes(model) == {block, block[:3] + (1,)}
     report = tfmp.comm_report(model, print_fn=lambda text: None)
     gathered = {
-        c.op.rpartition("attention_1/")[2]: c.bytes
+        (c.phase, c.op.rpartition("attention_1/")[2]): c.bytes
         for c in report.collectives
-        if (c.phase, c.kind, c.axes) == ("forward", "all-gather", ("sequence",))
+        if c.kind == "all-gather" and c.axes == ("sequence",)
     }
     # The key and the value of the one attention layer, each (4, 8, 4, 4)
     # float32 per device once gathered: their heads stay split over "model".
+    # The backward pass gathers them again rather than keep them whole.
     key_bytes = batch_rows * SEQUENCE * heads * 4 * 4
-    assert (gathered["key_1/Add"], gathered["value_1/Add"]) == (key_bytes, key_bytes), gathered
+    for phase in ("forward", "backward"):
+        assert sorted(bytes_ for (p, _), bytes_ in gathered.items() if p == phase and bytes_ == key_bytes) == [
+            key_bytes, key_bytes
+        ], (phase, gathered)
     # The loss reads the (batch, sequence, vocabulary) logits where they are:
     # TensorFlow's op would gather their sequence to reshape positions into rows.
-    assert not [op for op in gathered if "lm_head" in op or "crossentropy" in op], gathered
+    assert not [op for _, op in gathered if "lm_head" in op or "crossentropy" in op], gathered
 
 
 @pytest.mark.parametrize("name", ["GPT2Backbone", "LlamaBackbone"])
@@ -133,6 +140,89 @@ def test_losses_over_split_sequences_match_one_device(loss):
         zero_gradient=r"attention/key/bias",
         sample_weight=weights,
     )
+
+
+def build_grouped_query_lm(vocabulary: int = 64, width: int = 32) -> "keras.Model":
+    """Tokens to next-token logits through grouped-query attention (4 query
+    heads, 2 key and value heads), causal, with the padding mask of token 0."""
+    import keras
+
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    x = keras.layers.Embedding(vocabulary, width, mask_zero=True, name="embed")(tokens)
+    attention = keras.layers.GroupQueryAttention(
+        head_dim=width // 4, num_query_heads=4, num_key_value_heads=2, name="attention"
+    )
+    x = keras.layers.LayerNormalization(name="norm")(x + attention(x, x, use_causal_mask=True))
+    return keras.Model(tokens, keras.layers.Dense(vocabulary, name="head")(x))
+
+
+def test_grouped_query_attention_with_padding_matches_one_device():
+    """Keras' GroupedQueryAttention a block of keys at a time: its keys and
+    values repeated per group, its causal mask and the padding mask of the
+    embedding (the rows of a padded query mask every key, and attend to all
+    evenly, as Keras' softmax makes them); 37 rows at 8, `layout_map="auto"`."""
+    import keras
+
+    x, y = next_token_data(N, SEQUENCE, 64)
+    x[::3, -3:] = 0  # padding at the end of every third row
+    assert_parity(
+        build_grouped_query_lm,
+        x=x,
+        y=y,
+        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel=True),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        batch_size=BATCH,
+        steps=-(-N // BATCH),
+        zero_gradient=r"attention/key/bias",
+    )
+
+
+@pytest.mark.parametrize("masks", ["causal", "padding", "causal_and_padding", "none"])
+def test_attention_a_block_of_keys_at_a_time_matches_keras(masks):
+    """The blockwise attention and its backward pass against Keras' own
+    `dot_product_attention` on one device, in float64: queries whose keys
+    are all masked included (they attend to every key evenly)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfmp.lowering import attention
+    from tfmp.lowering.registry import keras_original
+
+    rng = np.random.default_rng(0)
+    q, k, v = (tf.constant(rng.normal(size=(2, 8, 3, 4))) for _ in range(3))
+    mask = None
+    if "padding" in masks:
+        keep = rng.uniform(size=(2, 1, 8, 8)) > 0.3
+        keep[0, :, 2, :] = False  # a query that sees no key
+        mask = tf.constant(keep)
+    causal = "causal" in masks
+    upstream = tf.constant(rng.normal(size=(2, 8, 3, 4)))
+
+    def run(fn):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = fn()
+        return [out, *tape.gradient(out, [q, k, v], output_gradients=upstream)]
+
+    keras_attention = keras_original("keras.src.backend.tensorflow.nn", "dot_product_attention")
+    want = run(lambda: keras_attention(q, k, v, mask=mask, scale=0.5, is_causal=causal))
+    got = run(lambda: attention._blockwise_attention(q, k, v, mask, 0.5, causal, blocks=4))
+    for name, a, b in zip(("output", "query", "key", "value"), got, want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-12, err_msg=name)
+    assert keras.backend.standardize_dtype(got[0].dtype) == "float64"
+
+
+@pytest.mark.parametrize(
+    "keys, devices, blocks",
+    [(8, 2, 2), (1024, 2, 2), (2048, 2, 4), (4096, 8, 8), (12288, 8, 32), (1536, 2, 4), (1030, 2, 2)],
+)
+def test_keys_are_taken_in_blocks_of_at_most_512_where_they_divide(keys, devices, blocks):
+    """Each device's part of the keys, halved while wider than 512 keys and
+    the halves divide (1030 keys on 2 devices: 515 each, an odd number)."""
+    from tfmp.lowering.attention import key_blocks
+
+    assert key_blocks(keys, devices) == blocks
 
 
 def test_a_sequence_that_does_not_divide_is_a_named_error():

@@ -84,6 +84,9 @@ class _Plan:
 
     axis: str
     size: int
+    # Where mixture-of-experts banks split on their experts.
+    expert_axis: str = ""
+    expert_size: int = 0
     rules: dict[str, Axes] = dataclasses.field(default_factory=dict)
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
     # The weights of layers that declare their own layouts (tfmp's layers).
@@ -104,18 +107,23 @@ class _Plan:
     def divides(self, variable: Any, dim: int) -> bool:
         return int(variable.shape[dim]) % self.size == 0
 
-    def split(self, variable: Any, dim: int, why: str) -> bool:
-        """Splits `variable` on `dim` if that divides; records why not."""
+    def split(self, variable: Any, dim: int, why: str, experts: bool = False) -> bool:
+        """Splits `variable` on `dim` over the plan's axis (its expert axis,
+        `experts`) if that divides; records why not, and why the expert axis
+        where it is not the plan's."""
+        axis, size = (self.expert_axis, self.expert_size) if experts else (self.axis, self.size)
         dim = dim % len(variable.shape)
-        if not self.divides(variable, dim):
+        if int(variable.shape[dim]) % size:
             self.reasons[variable.path] = (
                 f"{why}: dimension {dim} of size {int(variable.shape[dim])} does not "
-                f"divide by {self.axis!r} of size {self.size}; left replicated"
+                f"divide by {axis!r} of size {size}; left replicated"
             )
             return False
         axes = [None] * len(variable.shape)
-        axes[dim] = self.axis
+        axes[dim] = axis
         self.rules[variable.path] = tuple(axes)
+        if axis != self.axis:
+            self.reasons[variable.path] = f"{why} over {axis!r}, the mesh's expert axis"
         return True
 
     def keep(self, layer: Any, why: str, own_only: bool = False) -> None:
@@ -127,7 +135,7 @@ class _Plan:
 
 
 def auto_layout(
-    model: Any, mesh: Any, axis: str = "model", storage_split: bool = True
+    model: Any, mesh: Any, axis: str = "model", storage_split: bool = True, expert_axis: str | None = None
 ) -> LayoutMap:
     """Plans Megatron-style tensor-parallel layouts for a Keras model.
 
@@ -140,11 +148,17 @@ def auto_layout(
             (a patch embedding, a convolution between norms): stored split
             over `axis` on its largest dimension that divides, and gathered
             on use (`tfmp.gather_on_use`), one all-gather per forward pass.
+        expert_axis: The mesh axis to split mixture-of-experts banks over,
+            on their experts: by default the mesh's axis whose name holds
+            "expert" (`"expert"`, `"experts"`), if it has one, else `axis`.
+            Each device of it holds whole experts and computes them for the
+            tokens it holds; their outputs are summed over the axis.
 
     Returns:
         A `tfmp.LayoutMap` with one rule per split variable, matching exactly
         its path (`^path$`).
-        `layout_map.reasons` says, per variable not split for compute, why.
+        `layout_map.reasons` says, per variable not split for compute, why
+        (and for a bank split over an expert axis other than `axis`, so).
 
     Examples:
         >>> layout_map = tfmp.auto_layout(model, mesh)
@@ -161,7 +175,9 @@ def auto_layout(
             f"auto_layout needs a built model; {model.name!r} has no weights yet. "
             "Give it a keras.Input or call model.build(input_shape) first."
         )
-    plan = plan_layers(visits(model), axis, mesh.axis_size(axis))
+    expert_axis = expert_axis or next((name for name in mesh.axis_names if "expert" in name.lower()), axis)
+    mesh.check_axis(expert_axis, what="auto_layout expert_axis")
+    plan = plan_layers(visits(model), axis, mesh.axis_size(axis), expert_axis, mesh.axis_size(expert_axis))
     shapes = _shapes_by_path(model.weights)
     _drop_rules_of_shared_paths(plan, shapes)
     if storage_split:
@@ -367,10 +383,13 @@ def _own_weights(layer: Any) -> list[Any]:
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)  # noqa: SLF001
 
 
-def plan_layers(steps: Iterable[_Visit], axis: str, size: int) -> _Plan:
-    """Walks layers in order and plans the layout of their weights."""
+def plan_layers(
+    steps: Iterable[_Visit], axis: str, size: int, expert_axis: str | None = None, expert_size: int = 0
+) -> _Plan:
+    """Walks layers in order and plans the layout of their weights (the
+    banks of a mixture of experts over `expert_axis`, else `axis`)."""
     steps = list(steps)
-    plan = _Plan(axis, size)
+    plan = _Plan(axis, size, expert_axis or axis, expert_size or size)
     # The output head is the last layer with weights; a vocabulary-wide Dense
     # before other layers (PaliGemma's image projection is as wide as its
     # patch positions) feeds them, and would hand them split features.
@@ -742,7 +761,7 @@ def _plan_experts(plan: _Plan, layer: Any) -> None:
     communication; combining the experts' outputs sums over devices."""
     _end_pair(plan)
     for variable in layer.weights:
-        plan.split(variable, 0, "mixture-of-experts bank split on experts")
+        plan.split(variable, 0, "mixture-of-experts bank split on experts", experts=True)
 
 
 def _plan_declared(plan: _Plan, layer: Any) -> None:

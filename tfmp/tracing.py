@@ -59,6 +59,11 @@ class TracingContext(threading.local):
             computes are lowered too (`tfmp.lowering.losses`).
         step_sequence_axis: The mesh axis that splits sequences in that
             step (context parallelism), or None.
+        sequence_gathers: The keys and values of the attention layer being
+            traced that context parallelism gathered whole over the
+            sequence, `{gathered.ref(): (split, gather)}`: attention's
+            backward pass gathers them again from `split` instead of
+            keeping them (`tfmp.lowering.attention`).
     """
 
     def __init__(self) -> None:
@@ -77,6 +82,7 @@ class TracingContext(threading.local):
         self.splits_sequences = False
         self.step_on_mesh = False
         self.step_sequence_axis: str | None = None
+        self.sequence_gathers: dict = {}
 
 
 context = TracingContext()

@@ -17,6 +17,7 @@ tested with (see `tfmp.lowering.registry`).
 from tfmp import integrations
 from tfmp.lowering import (
     arrays,
+    attention,
     conv,
     elementwise,
     image,
@@ -35,7 +36,7 @@ from tfmp.lowering.registry import Lowering
 
 # Each module holds the lowerings of one op family, as a tuple `LOWERINGS`,
 # and the TensorFlow functions it patches with its code, `PATCHES`.
-FAMILIES = (conv, rnn, random, indexing, image, joins, slicing, pooling, reduction, elementwise, arrays, losses, loops, replicated)
+FAMILIES = (conv, rnn, random, indexing, image, joins, slicing, pooling, reduction, elementwise, arrays, losses, attention, loops, replicated)
 
 
 def lowerings() -> tuple[Lowering, ...]:

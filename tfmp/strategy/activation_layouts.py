@@ -18,9 +18,10 @@ import keras
 import tensorflow as tf
 
 from tfmp.forward import forward_mesh
+from tfmp.integrations.internals import get_keras_mask, set_keras_mask
 from tfmp.integrations.internals import keras_current_path as current_path
 from tfmp.layout import layout_axes
-from tfmp.tracing import scoped
+from tfmp.tracing import context, scoped
 from tfmp.strategy.keras_distribution import distribute_tensor
 from tfmp.strategy.sequence_parallel import (
     gathers_sequence,
@@ -67,17 +68,27 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
             strategy.layout_map.note_output(path, f"{option}={axis!r}", axes)
     if axes is None and option == "context_parallel" and axis is not None and is_embedding(layer):
         return tf.nest.map_structure(
-            lambda tensor: gradient_whole_over_sequence(
+            lambda tensor: _with_mask_of(tensor, gradient_whole_over_sequence(
                 tensor, lambda gradient: _sequence_inputs(gradient, strategy.batch_axis, None, mesh)
-            ) if isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating else tensor,
+            )) if isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating else tensor,
             outputs,
         )
     if axes is None:
         return outputs
     return tf.nest.map_structure(
-        lambda tensor: distribute_tensor(tensor, axes) if isinstance(tensor, tf.Tensor) else tensor,
+        lambda tensor: _with_mask_of(tensor, distribute_tensor(tensor, axes)) if isinstance(tensor, tf.Tensor) else tensor,
         outputs,
     )
+
+
+def _with_mask_of(tensor: tf.Tensor, laid_out: tf.Tensor) -> tf.Tensor:
+    """`laid_out`, a relayout of `tensor`, with `tensor`'s Keras mask (an
+    embedding's `mask_zero`): Keras reads a layer's input masks from its
+    arguments, and a new tensor has none."""
+    mask = get_keras_mask(tensor)
+    if mask is not None and laid_out is not tensor:
+        set_keras_mask(laid_out, mask)
+    return laid_out
 
 
 @contextlib.contextmanager
@@ -90,13 +101,25 @@ def _whole_keys_and_values(layer: Any, batch_axis: str | None, axis: str, mesh: 
         yield False
         return
     heads_axis = _heads_axis(layer, batch_axis, axis)
+
+    def gather(value: Any) -> Any:
+        gathered = _whole_sequence(value, batch_axis, None, heads_axis, mesh)
+        if gathered is not value:
+            context.sequence_gathers[gathered.ref()] = (value, gather_again)
+        return gathered
+
+    def gather_again(value: tf.Tensor) -> tf.Tensor:
+        # Laid out split first: DTensor would otherwise compute `value` whole
+        # from the forward pass's gather, which then stays alive.
+        split = _whole_sequence(value, batch_axis, axis, heads_axis, mesh)
+        return _whole_sequence(split, batch_axis, None, heads_axis, mesh)
+
     # On the instance, for this call only: Keras' tracking of layer
     # attributes is bypassed, and the class's method shows through after.
-    object.__setattr__(layer, "_compute_attention", keys_and_values_whole(
-        compute_attention, lambda value: _whole_sequence(value, batch_axis, heads_axis, mesh)
-    ))
+    object.__setattr__(layer, "_compute_attention", keys_and_values_whole(compute_attention, gather))
     try:
-        yield True
+        with scoped(sequence_gathers={}):
+            yield True
     finally:
         object.__delattr__(layer, "_compute_attention")
 
@@ -125,16 +148,19 @@ def _sequence_inputs(value: Any, batch_axis: str | None, sequence_axis: str | No
     length = value.shape[1]
     if sequence_axis is not None and (length is None or length % mesh.dim_size(sequence_axis)):
         sequence_axis = None
-    return distribute_tensor(value, (batch_axis, sequence_axis, None))
+    return _with_mask_of(value, distribute_tensor(value, (batch_axis, sequence_axis, None)))
 
 
-def _whole_sequence(value: Any, batch_axis: str | None, heads_axis: str | None, mesh: Any) -> Any:
+def _whole_sequence(
+    value: Any, batch_axis: str | None, sequence_axis: str | None, heads_axis: str | None, mesh: Any
+) -> Any:
     """A key or value of attention, `(batch, sequence, heads, features)` or
-    `(batch, sequence, features)`, whole over the sequence; heads stay split
-    over `heads_axis` where they divide by it."""
+    `(batch, sequence, features)`, whole over the sequence (or split over
+    `sequence_axis`); heads stay split over `heads_axis` where they divide by
+    it."""
     if not isinstance(value, tf.Tensor) or value.shape.rank not in (3, 4):
         return value
-    axes = [batch_axis] + [None] * (value.shape.rank - 1)
+    axes = [batch_axis, sequence_axis] + [None] * (value.shape.rank - 2)
     heads = value.shape[2] if value.shape.rank == 4 else None
     if heads_axis is not None and heads is not None and heads % mesh.dim_size(heads_axis) == 0:
         axes[2] = heads_axis

@@ -37,9 +37,10 @@ def warn_idle_axes(mesh: Any, axes: list[str], model_names: list[str]) -> None:
             proposal = f"pass context_parallel={axis!r} to split sequences over it (long inputs)"
         elif "expert" in axis.lower():
             proposal = (
-                f"use tfmp.layers.MixtureOfExperts(..., axis={axis!r}), or lay out your mixture "
-                f"of experts' banks over it with a LayoutMap rule (e.g. ({axis!r}, None, None) "
-                "for a (experts, features, hidden) bank)"
+                f"use tfmp.layers.MixtureOfExperts(..., axis={axis!r}), pass layout_map='auto' "
+                "(it splits the banks of a mixture of experts, such as KerasHub's, over this "
+                "axis), or lay out your mixture of experts' banks over it with a LayoutMap rule "
+                f"(e.g. ({axis!r}, None, None) for a (experts, features, hidden) bank)"
             )
         else:
             planned = " (layout_map='auto' plans one)" if axis == "model" else ""
