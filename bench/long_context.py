@@ -231,7 +231,7 @@ def main() -> None:
               f"{lengths[-1]} tokens), fitted, then measured:")
         for name in ("sequence", "context", "context+tensor"):
             fitted = longest_within(lengths, [of(table[name][n]) for n in lengths], limit)
-            length, measured = longest_measured(name, of, limit, int(fitted) // 64 * 64, table[name])
+            length, measured = longest_measured(name, of, limit, max(64, int(fitted) // 64 * 64), table[name])
             print(f"  {name}: fitted {fitted:.0f} tokens; measured {measured:,d} B at {length} tokens")
             ratio = length / lengths[-1]
             target = ">=6" if name.startswith("context") else "-"

@@ -237,6 +237,24 @@ def test_a_sequence_that_does_not_divide_is_a_named_error():
 
 
 @pytest.mark.parametrize(
+    "layout_map, kwargs, axis",
+    [
+        ("auto", {}, "sequence"),
+        ("auto", {"context_parallel": False}, None),
+        (megatron_layout_map, {}, None),
+        ("auto", {"sequence_parallel": True}, None),
+    ],
+    ids=["auto", "auto-turned-off", "layout-map", "auto-with-sequence-parallel"],
+)
+def test_auto_layout_turns_context_parallelism_on_over_a_sequence_axis(layout_map, kwargs, axis):
+    """With `layout_map="auto"`, a "sequence" axis (which nothing else
+    splits) gets context parallelism unless it is turned off or sequence
+    parallelism is on; with the user's own rules it stays as asked."""
+    strategy = context_parallel_strategy(layout_map if callable(layout_map) else lambda mesh: layout_map, **kwargs)
+    assert strategy.context_parallel_axis == axis
+
+
+@pytest.mark.parametrize(
     "kwargs, error, match",
     [
         ({"context_parallel": "batch"}, ValueError, r"context_parallel='batch' names the batch axis"),

@@ -15,6 +15,7 @@ from tfmp.strategy.stage_hooks import stage_hooks_for
 
 _DEFAULT_BATCH_AXIS = "batch"
 _TENSOR_AXIS = "model"
+_CONTEXT_AXIS = "sequence"
 
 
 class ModelParallelStrategy(tf.distribute.Strategy):
@@ -64,13 +65,17 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             between tensor-parallel blocks (`tfmp.strategy.sequence_parallel`).
             A `"<layer path>/output"` rule of the layout map wins over it.
         context_parallel: Context parallelism, over mesh axis `"sequence"`
-            (True) or the axis named: the sequence is split over the axis
+            (True) or the axis named; by default (None) on with
+            `layout_map="auto"` on a mesh with a `"sequence"` axis, else off.
+            The sequence is split over the axis
             through the whole model (norms', dropouts' and attention layers'
             `(batch, sequence, features)` outputs), and each attention layer
             gathers its keys and values whole over the axis while its
             queries are split, so every device computes the
             scores of its part of the sequence against all of it
-            (`tfmp.strategy.sequence_parallel`). Weights are replicated over
+            (`tfmp.strategy.sequence_parallel`), a block of keys at a time
+            where attention runs `keras.ops.dot_product_attention`
+            (`tfmp.lowering.attention`). Weights are replicated over
             the axis and their gradients summed over it. Cannot be combined
             with `sequence_parallel`, which splits the same dimension.
 
@@ -102,7 +107,7 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         schedule: str = "gpipe",
         fully_shard: bool = False,
         sequence_parallel: bool | str = False,
-        context_parallel: bool | str = False,
+        context_parallel: bool | str | None = None,
     ):
         mesh = as_device_mesh(mesh)
         if not isinstance(fully_shard, bool):
@@ -123,8 +128,10 @@ class ModelParallelStrategy(tf.distribute.Strategy):
         self.sequence_parallel_axis = _sequence_axis(
             mesh, sequence_parallel, batch_axis, "sequence_parallel", "model"
         )
+        if context_parallel is None:
+            context_parallel = _context_parallel_by_default(mesh, layout_map, batch_axis, sequence_parallel)
         self.context_parallel_axis = _sequence_axis(
-            mesh, context_parallel, batch_axis, "context_parallel", "sequence"
+            mesh, context_parallel, batch_axis, "context_parallel", _CONTEXT_AXIS
         )
         if self.sequence_parallel_axis and self.context_parallel_axis:
             raise ValueError(
@@ -265,6 +272,23 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             f"ModelParallelStrategy({self.mesh!r}, layout_map with "
             f"{len(self.layout_map)} rules, batch_axis={self.batch_axis!r})"
         )
+
+
+def _context_parallel_by_default(
+    mesh: DeviceMesh, layout_map: Any, batch_axis: str | None, sequence_parallel: bool | str
+) -> bool:
+    """Whether context parallelism is on when not asked about: with
+    `layout_map="auto"` on a mesh with a `"sequence"` axis longer than 1 (the
+    axis it would use, which nothing else splits), and sequence parallelism
+    off."""
+    return (
+        isinstance(layout_map, str)
+        and layout_map == "auto"
+        and _CONTEXT_AXIS in mesh.axis_names
+        and mesh.axis_size(_CONTEXT_AXIS) > 1
+        and batch_axis != _CONTEXT_AXIS
+        and sequence_parallel is False
+    )
 
 
 def _sequence_axis(
