@@ -76,7 +76,9 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
     if axes is None:
         return outputs
     return tf.nest.map_structure(
-        lambda tensor: _with_mask_of(tensor, distribute_tensor(tensor, axes)) if isinstance(tensor, tf.Tensor) else tensor,
+        lambda tensor: (
+            _with_mask_of(tensor, distribute_tensor(tensor, axes)) if isinstance(tensor, tf.Tensor) else tensor
+        ),
         outputs,
     )
 
@@ -103,7 +105,7 @@ def _whole_keys_and_values(layer: Any, batch_axis: str | None, axis: str, mesh: 
     heads_axis = _heads_axis(layer, batch_axis, axis)
 
     def gather(value: Any) -> Any:
-        gathered = _whole_sequence(value, batch_axis, None, heads_axis, mesh)
+        gathered = _key_or_value(value, batch_axis, None, heads_axis, mesh)
         if gathered is not value:
             context.sequence_gathers[gathered.ref()] = (value, gather_again)
         return gathered
@@ -111,8 +113,8 @@ def _whole_keys_and_values(layer: Any, batch_axis: str | None, axis: str, mesh: 
     def gather_again(value: tf.Tensor) -> tf.Tensor:
         # Laid out split first: DTensor would otherwise compute `value` whole
         # from the forward pass's gather, which then stays alive.
-        split = _whole_sequence(value, batch_axis, axis, heads_axis, mesh)
-        return _whole_sequence(split, batch_axis, None, heads_axis, mesh)
+        split = _key_or_value(value, batch_axis, axis, heads_axis, mesh)
+        return _key_or_value(split, batch_axis, None, heads_axis, mesh)
 
     # On the instance, for this call only: Keras' tracking of layer
     # attributes is bypassed, and the class's method shows through after.
@@ -151,13 +153,13 @@ def _sequence_inputs(value: Any, batch_axis: str | None, sequence_axis: str | No
     return _with_mask_of(value, distribute_tensor(value, (batch_axis, sequence_axis, None)))
 
 
-def _whole_sequence(
+def _key_or_value(
     value: Any, batch_axis: str | None, sequence_axis: str | None, heads_axis: str | None, mesh: Any
 ) -> Any:
     """A key or value of attention, `(batch, sequence, heads, features)` or
-    `(batch, sequence, features)`, whole over the sequence (or split over
-    `sequence_axis`); heads stay split over `heads_axis` where they divide by
-    it."""
+    `(batch, sequence, features)`, laid out with its sequence split over
+    `sequence_axis` (whole for None); heads stay split over `heads_axis`
+    where they divide by it."""
     if not isinstance(value, tf.Tensor) or value.shape.rank not in (3, 4):
         return value
     axes = [batch_axis, sequence_axis] + [None] * (value.shape.rank - 2)

@@ -19,8 +19,9 @@ with the sequence whole (`gradient_whole_over_sequence`). An attention layer's i
 the axis and its keys and values gathered whole just before the scores
 (`keys_and_values_whole`), as Llama 3's training gathers them, so each
 device computes the scores of its queries against the whole sequence, causal
-and padding masks included, and holds 1/N of the `(sequence, sequence)`
-scores. An attention layer without a `_compute_attention(query, key, value,
+and padding masks included: 1/N of the `(sequence, sequence)` scores, or,
+where attention runs `keras.ops.dot_product_attention`, a block of keys at a
+time, keeping none (`tfmp.lowering.attention`). An attention layer without a `_compute_attention(query, key, value,
 ...)` method gets its inputs whole and lays its output out split again.
 """
 
