@@ -93,6 +93,37 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     assert all(axes == SPLIT for _, axes in laid_out.values())
 
 
+def test_keras_hub_causal_lm_with_auto_layout_matches_one_device():
+    """KerasHub's GPT2CausalLM (its embedding tied as the LM head, its own
+    loss and metric, dropout 0.1) from `layout_map="auto"` alone on a
+    ("batch", "sequence", "model") mesh, which turns context parallelism on;
+    padded positions weighted 0; 13 rows at batch 4."""
+    import keras
+    import keras_hub
+    from hub_backbones import BACKBONES
+    from test_keras_interop import token_data
+
+    def compile_fn(model):
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+        return model
+
+    x, y, padding_mask = token_data(n=13)
+    strategy = tfmp.ModelParallelStrategy(mesh((2, 2, 2), AXES), "auto")
+    model = assert_parity(
+        lambda: keras_hub.models.GPT2CausalLM(backbone=BACKBONES["GPT2Backbone"](), preprocessor=None),
+        x=x,
+        y=y,
+        strategy=strategy,
+        compile_fn=compile_fn,
+        batch_size=4,
+        steps=4,
+        sample_weight=padding_mask,
+    )
+    assert strategy.context_parallel_axis == "sequence"
+    laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
+    assert any(path.endswith("self_attention") for path in laid_out), laid_out
+
+
 def build_softmax_lm(vocabulary: int = 64, width: int = 32) -> "keras.Model":
     """Tokens to next-token probabilities: a softmax output, as Keras'
     text-generation examples end."""
