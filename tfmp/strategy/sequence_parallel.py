@@ -112,11 +112,12 @@ def sequence_axes(
         return None
     length = outputs.shape[1]
     if length is not None and length % axis_size:
+        by_auto = " (layout_map='auto' turns it on over a 'sequence' axis)" if option == "context_parallel" else ""
         raise ValueError(
             f"{option} splits the sequence of the output of layer {layer.name!r}, "
             f"shaped {tuple(outputs.shape)}, over mesh axis {axis!r} of size {axis_size}, and "
             f"{length} does not divide by {axis_size}: pad the sequences to a multiple "
-            f"of {axis_size}, or turn {option} off."
+            f"of {axis_size}, or turn {option} off with {option}=False{by_auto}."
         )
     return (batch_axis, axis, None)
 
