@@ -12,7 +12,7 @@ on 8 simulated CPU devices in four ways:
 CPU devices report no allocator peaks, so a device's activation bytes are
 read from the graph it ran for the train step, on its first device (the
 `_output_shapes` of the nodes of its partition graphs, counted as float32;
-the backward pass is `tfmp.inspect.comm_report.backward_nodes`):
+the backward pass is `backward_nodes`):
 
 - **kept**: the forward values the backward pass reads (through
   identities), each once: the activations a step holds from its forward
@@ -62,7 +62,6 @@ import numpy as np  # noqa: E402
 
 import tfmp  # noqa: E402
 from tfmp.demo import build_transformer_lm, megatron_layout_map, next_token_data  # noqa: E402
-from tfmp.inspect.comm_report import backward_nodes  # noqa: E402
 from tfmp.strategy.graph_capture import first_step_graphs_of, is_train_step  # noqa: E402
 
 BATCH, WIDTH, HEADS, FFN = 2, 64, 8, 256
@@ -108,6 +107,73 @@ def activation_bytes(name: str, length: int) -> dict:
                     largest = max([largest, *sizes])
             kept += sum(_output_bytes(nodes[name], index) for name, index in read_back)
     return {"produced": produced, "kept": kept, "largest": largest}
+
+
+def _op_name(node) -> str:
+    names = node.experimental_debug_info.original_node_names
+    return names[0] if names else node.name
+
+
+def backward_nodes(nodes) -> set[str]:
+    """The backward pass among a step's partition graph `nodes`: the names of
+    the nodes TensorFlow's gradients (and tfmp's) name under
+    "gradient_tape/", and of every node that reads a value of one, such as
+    the sums of gradients TensorFlow names outside it (`AddN`) and the
+    optimizer's update. A value computed from no batch and no weight (a
+    causal mask, from ranges and the device's offset) is in neither pass:
+    the two passes can share it under the backward's name. An `IdentityN`
+    passes each input to its output of the same position, and DTensor's
+    bundle forward and backward values: its outputs that carry backward
+    values are in the set as `"name:position"`.
+    """
+    nodes = list(nodes)
+    readers: dict[str, list[tuple[str, int, int]]] = {}
+    identities = {node.name for node in nodes if node.op == "IdentityN"}
+    for node in nodes:
+        data = [source for source in node.input if not source.startswith("^")]
+        for position, source in enumerate(data):
+            producer, _, index = source.partition(":")
+            readers.setdefault(producer, []).append((node.name, position, int(index or 0)))
+    from_data = _computed_from_data(nodes, readers)
+    backward = {
+        node.name
+        for node in nodes
+        if node.name in from_data and any(part.startswith("gradient_tape") for part in _op_name(node).split("/"))
+    }
+    frontier: list[tuple[str, int | None]] = [(name, None) for name in backward]
+    while frontier:
+        producer, output = frontier.pop()
+        for reader, position, index in readers.get(producer, ()):
+            if output is not None and index != output:
+                continue
+            if reader in identities and reader not in backward:
+                if f"{reader}:{position}" not in backward:
+                    backward.add(f"{reader}:{position}")
+                    frontier.append((reader, position))
+            elif reader not in backward:
+                backward.add(reader)
+                frontier.append((reader, None))
+    return backward
+
+
+def _computed_from_data(nodes: list, readers: dict) -> set[str]:
+    """The names of `nodes` computed from a weight or a batch: a variable
+    read or an argument that is not a scalar (a device's id is), or a node
+    that reads one of their values."""
+    from_data = {
+        node.name
+        for node in nodes
+        if node.op in ("ReadVariableOp", "ResourceGather")
+        or (node.op == "_Arg" and any(len(shape.dim) or shape.unknown_rank
+                                      for shape in node.attr["_output_shapes"].list.shape))
+    }
+    frontier = list(from_data)
+    while frontier:
+        for reader, _, _ in readers.get(frontier.pop(), ()):
+            if reader not in from_data:
+                from_data.add(reader)
+                frontier.append(reader)
+    return from_data
 
 
 def _forward_source(nodes: dict, backward: set, source: str) -> tuple[str, int] | None:

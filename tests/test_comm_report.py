@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tfmp
 from helpers import build_layers_lm, build_mlp, compile_mlp, lm_data, mesh, mlp_data, mlp_layout_map
-from tfmp.inspect.comm_report import CommReport, _collective, backward_nodes
+from tfmp.inspect.comm_report import CommReport, _collective, _sums_gradients
 from tfmp.inspect.summary import bytes_per_device
 
 
@@ -91,43 +91,36 @@ def test_reduce_scatter_counts_the_tensor_it_reduces():
     )
     node.attr["T"].type = tf.float32.as_datatype_enum
     node.attr["_output_shapes"].list.shape.add().CopyFrom(tf.TensorShape([8, 16]).as_proto())
-    collective = _collective(node, partition, device_mesh, "adam", "batch", backward=True)
+    collective = _collective(node, partition, device_mesh, "adam", "batch", sums_gradients=False)
     assert collective.kind == "reduce-scatter"
     assert (collective.axes, collective.category) == (("batch",), "gradients")
     assert collective.bytes == 2 * 8 * 16 * 4
     assert collective.wire_bytes(2) == 8 * 16 * 4
 
 
-def test_backward_pass_is_what_reads_a_gradient():
-    """The backward pass: the ops named under "gradient_tape/" and what reads
-    their values (TensorFlow's sum of two gradients, named outside it, and
-    the all-gather of that sum); not an op the two passes share, computed
-    from constants and the device's id, nor what the forward pass computes
-    from it; an IdentityN's outputs each by its own input."""
-    graph = tf.compat.v1.GraphDef()
-
-    def add(name, op, *inputs, shape=(4, 4)):
-        node = graph.node.add(name=name, op=op, input=list(inputs))
-        node.attr["_output_shapes"].list.shape.add().CopyFrom(tf.TensorShape(shape).as_proto())
-
-    add("batch", "_Arg")
-    add("device_id", "_Arg", shape=())
-    add("kernel", "ReadVariableOp", "kernel_handle")
-    add("m/dense/MatMul", "MatMul", "batch", "kernel")
-    add("positions", "Const")
-    add("gradient_tape/causal", "GreaterEqual", "positions", "device_id")
-    add("m/masked", "SelectV2", "gradient_tape/causal", "m/dense/MatMul", "positions")
-    add("gradient_tape/m/dense/MatMul_grad", "MatMul", "m/masked", "kernel")
-    add("gradient_tape/m/other_grad", "Mul", "m/masked", "batch")
-    add("AddN", "AddN", "gradient_tape/m/dense/MatMul_grad", "gradient_tape/m/other_grad")
-    add("AddN/DTensorAllGatherOp", "CollectiveGatherV2", "AddN", "group_size", "group_table")
-    add("bundle", "IdentityN", "m/dense/MatMul", "AddN")
-    add("m/after", "Relu", "bundle:0")
-    add("after_grad", "Relu", "bundle:1")
-    assert backward_nodes(graph.node) == {
-        "gradient_tape/m/dense/MatMul_grad", "gradient_tape/m/other_grad", "AddN",
-        "AddN/DTensorAllGatherOp", "bundle:1", "after_grad",
+def test_a_sum_of_gradients_is_backward():
+    """TensorFlow names the sum of a value's several gradients `AddN` outside
+    "gradient_tape/", and DTensor names a collective of it after the sum:
+    it is backward; an `AddN` of the forward pass stays forward."""
+    device_mesh = mesh((2, 4))
+    partition = tf.compat.v1.GraphDef()
+    table = partition.node.add(name="group_table", op="Const")
+    table.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32)))
+    partition.node.add(name="AddN_7", op="AddN", input=["gradient_tape/m/dense/MatMul", "AddN_5"])
+    partition.node.add(name="m/AddN", op="AddN", input=["m/dense/MatMul", "m/other/MatMul"])
+    nodes = {}
+    for op in ("AddN_7", "m/AddN"):
+        nodes[op] = partition.node.add(
+            name=f"{op}/DTensorAllGatherOp", op="CollectiveGatherV2", input=[op, "group_size", "group_table"]
+        )
+        nodes[op].attr["T"].type = tf.float32.as_datatype_enum
+        nodes[op].attr["_output_shapes"].list.shape.add().CopyFrom(tf.TensorShape([8, 16]).as_proto())
+    by_name = {node.name: node for node in partition.node}
+    phases = {
+        op: _collective(node, partition, device_mesh, "adam", "batch", _sums_gradients(node, by_name)).phase
+        for op, node in nodes.items()
     }
+    assert phases == {"AddN_7": "backward", "m/AddN": "forward"}
 
 
 def test_unknown_sizes_and_groups_are_named():
@@ -142,7 +135,7 @@ def test_unknown_sizes_and_groups_are_named():
     )
     node.attr["T"].type = tf.float32.as_datatype_enum
     node.attr["_output_shapes"].list.shape.add().CopyFrom(tf.TensorShape([None, 16]).as_proto())
-    collective = _collective(node, partition, device_mesh, "adam", "batch", backward=False)
+    collective = _collective(node, partition, device_mesh, "adam", "batch", sums_gradients=False)
     assert (collective.unknown, collective.axes, collective.bytes) == (("size", "group"), (), 0)
     report = CommReport([collective])
     assert report.unread() == [collective]

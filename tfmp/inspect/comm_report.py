@@ -156,9 +156,9 @@ def comm_report(model: Any, print_fn: Callable[[str], Any] | None = None) -> Com
     optimizer = getattr(getattr(model, "optimizer", None), "name", None)
     step = _train_step_partition(graphs.function_graphs, mesh)
     batch_axis = extended.placer.batch_axis
-    backward = backward_nodes(step.node)
+    nodes = {node.name: node for node in step.node}
     report = CommReport(
-        [_collective(node, step, mesh, optimizer, batch_axis, node.name in backward) for node in step.node
+        [_collective(node, step, mesh, optimizer, batch_axis, _sums_gradients(node, nodes)) for node in step.node
          if node.op in _OP_KINDS]
     )
     (print_fn or print)(str(report))
@@ -201,69 +201,22 @@ def _op_name(node: Any) -> str:
     return names[0] if names else node.name
 
 
-def backward_nodes(nodes: Any) -> set[str]:
-    """The backward pass among a step's partition graph `nodes`: the names of
-    the nodes TensorFlow's gradients (and tfmp's) name under
-    "gradient_tape/", and of every node that reads a value of one, such as
-    the sums of gradients TensorFlow names outside it (`AddN`) and the
-    optimizer's update. A value computed from no batch and no weight (a
-    causal mask, from ranges and the device's offset) is in neither pass:
-    the two passes can share it under the backward's name. An `IdentityN`
-    passes each input to its output of the same position, and DTensor's
-    bundle forward and backward values: its outputs that carry backward
-    values are in the set as `"name:position"`.
-    """
-    nodes = list(nodes)
-    readers: dict[str, list[tuple[str, int, int]]] = {}
-    identities = {node.name for node in nodes if node.op == "IdentityN"}
-    for node in nodes:
-        data = [source for source in node.input if not source.startswith("^")]
-        for position, source in enumerate(data):
-            producer, _, index = source.partition(":")
-            readers.setdefault(producer, []).append((node.name, position, int(index or 0)))
-    from_data = _computed_from_data(nodes, readers)
-    backward = {
-        node.name
-        for node in nodes
-        if node.name in from_data and any(part.startswith(BACKWARD_SCOPE) for part in _op_name(node).split("/"))
-    }
-    frontier: list[tuple[str, int | None]] = [(name, None) for name in backward]
-    while frontier:
-        producer, output = frontier.pop()
-        for reader, position, index in readers.get(producer, ()):
-            if output is not None and index != output:
-                continue
-            if reader in identities and reader not in backward:
-                if f"{reader}:{position}" not in backward:
-                    backward.add(f"{reader}:{position}")
-                    frontier.append((reader, position))
-            elif reader not in backward:
-                backward.add(reader)
-                frontier.append((reader, None))
-    return backward
+def _sums_gradients(node: Any, nodes: dict) -> bool:
+    """Whether collective `node` moves a sum of gradients, which TensorFlow
+    names outside "gradient_tape/" (`AddN`, where one value has several
+    gradients): an `AddN` that DTensor names the collective after, reading
+    a gradient or another such sum. `nodes` maps the partition's node names
+    to its nodes."""
+    op = _op_name(node).rpartition("/")[0]
+    total = next((n for name, n in nodes.items() if name == op or name.endswith("/" + op)), None)
+    return (
+        total is not None
+        and total.op == "AddN"
+        and any(BACKWARD_SCOPE in source or "/AddN" in source for source in total.input)
+    )
 
 
-def _computed_from_data(nodes: list, readers: dict) -> set[str]:
-    """The names of `nodes` computed from a weight or a batch: a variable
-    read or an argument that is not a scalar (a device's id is), or a node
-    that reads one of their values."""
-    from_data = {
-        node.name
-        for node in nodes
-        if node.op in ("ReadVariableOp", "ResourceGather")
-        or (node.op == "_Arg" and any(len(shape.dim) or shape.unknown_rank
-                                      for shape in node.attr["_output_shapes"].list.shape))
-    }
-    frontier = list(from_data)
-    while frontier:
-        for reader, _, _ in readers.get(frontier.pop(), ()):
-            if reader not in from_data:
-                from_data.add(reader)
-                frontier.append(reader)
-    return from_data
-
-
-def _collective(node, partition, mesh, optimizer, batch_axis, backward: bool) -> Collective:
+def _collective(node, partition, mesh, optimizer, batch_axis, sums_gradients: bool) -> Collective:
     name = _op_name(node)
     op, _, dtensor_op = name.rpartition("/")
     kind = _DTENSOR_KINDS.get(dtensor_op, _OP_KINDS[node.op])
@@ -271,7 +224,7 @@ def _collective(node, partition, mesh, optimizer, batch_axis, backward: bool) ->
     parts = name.split("/")
     if optimizer and name.startswith(optimizer + "/"):
         phase = category = "optimizer"
-    elif backward:
+    elif sums_gradients or any(part.startswith(BACKWARD_SCOPE) for part in parts):
         phase = "backward"
         category = "gradients" if axes == (batch_axis,) else "activations"
     else:
