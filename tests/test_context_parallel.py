@@ -72,6 +72,29 @@ def test_megatron_lm_with_context_parallelism_matches_one_device():
     assert not [op for _, op in gathered if "lm_head" in op or "crossentropy" in op], gathered
 
 
+def test_flash_attention_turned_off_keeps_keras_attention():
+    """`keras.config.disable_flash_attention()` turns the blockwise attention
+    off: each device computes its queries' scores against every key at once
+    with Keras' softmax, as one device does."""
+    import keras
+
+    keras.config.disable_flash_attention()
+    try:
+        model = demo_lm_like_one_device(
+            context_parallel_strategy(context_parallel=True), compile_lm, N, BATCH, SEQUENCE, num_heads=HEADS
+        )
+    finally:
+        keras.config.enable_flash_attention()  # Keras' default (None: not asked)
+    shapes = {
+        tuple(dim.size for dim in node.attr["_output_shapes"].list.shape[0].dim)
+        for function in filter(is_train_step, first_step_graphs_of(model).function_graphs)
+        for partition in function.partition_graphs
+        for node in partition.node
+        if node.op.endswith("Softmax") and "attention" in node.name and node.attr["_output_shapes"].list.shape
+    }
+    assert (BATCH // 2, HEADS // 2, SEQUENCE // 2, SEQUENCE) in shapes
+
+
 @pytest.mark.parametrize("name", ["GPT2Backbone", "LlamaBackbone"])
 def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     """Padding masks (every third row padded) and causal masks; GPT-2's own

@@ -58,9 +58,12 @@ def dot_product_attention(
     attn_logits_soft_cap: Any = None,
 ) -> tf.Tensor:
     """`keras.ops.dot_product_attention`; under context parallelism a block
-    of keys at a time, keeping no scores for the backward pass."""
+    of keys at a time, keeping no scores for the backward pass, unless flash
+    attention is off (`keras.config.disable_flash_attention()`, or a
+    layer's `flash_attention=False`): Keras' own is faster where its scores
+    fit."""
     blocks = _key_blocks(query, key, value)
-    if not blocks or bias is not None or flash_attention or attn_logits_soft_cap is not None:
+    if not blocks or bias is not None or flash_attention is False or attn_logits_soft_cap is not None:
         return keras_original(_KERAS_NN, "dot_product_attention")(
             query, key, value, bias, mask, scale, is_causal, flash_attention, attn_logits_soft_cap
         )
