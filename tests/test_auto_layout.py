@@ -510,8 +510,8 @@ def test_expert_banks_split_over_an_expert_axis():
     Mixtral's expert banks on their experts over "expert", says so in
     `reasons`, and the rest Megatron-style over "model"; the model trains
     like one device (every device of "expert" computes its experts for the
-    tokens it holds, their sum over the axis is the mixture's output), and
-    no axis is left idle."""
+    tokens it holds, their sum over the axis is the mixture's output; 13
+    rows at batch 4), and no axis is left idle."""
     import warnings
 
     from hub_backbones import BACKBONES
@@ -529,8 +529,10 @@ def test_expert_banks_split_over_an_expert_axis():
     assert all(plan.reasons[path.strip("^$").replace("\\", "")].endswith("over 'expert', the mesh's expert axis")
                for path in banks)
     assert any("model" in axes for axes in plan.values())
-    x, _, _ = token_data(n=12)
-    y = np.random.default_rng(0).normal(size=(12, 4)).astype("float32")
+    x, _, _ = token_data(n=13)
+    y = np.random.default_rng(0).normal(size=(13, 4)).astype("float32")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*splits nothing.*")
-        assert_parity(build, x=x, y=y, strategy=tfmp.ModelParallelStrategy(device_mesh, "auto"))
+        assert_parity(
+            build, x=x, y=y, strategy=tfmp.ModelParallelStrategy(device_mesh, "auto"), batch_size=4, steps=4
+        )
