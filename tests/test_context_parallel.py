@@ -24,15 +24,17 @@ def context_parallel_strategy(layout_map_fn=megatron_layout_map, **kwargs):
     return tfmp.ModelParallelStrategy(device_mesh, layout_map_fn(device_mesh), **kwargs)
 
 
-def per_device_score_shapes(model) -> set:
-    """The shapes of the exponentiated attention scores on each device, in
-    the forward and backward passes of the model's first steps."""
+def per_device_score_shapes(model, op: str = "Exp") -> set:
+    """The shapes of the 4-D outputs of attention's `op` (by default the
+    exponentiated scores; "Softmax" for Keras' own) on each device, in the
+    forward and backward passes of the model's first steps."""
     return {
-        tuple(dim.size for dim in node.attr["_output_shapes"].list.shape[0].dim)
+        shape
         for function in filter(is_train_step, first_step_graphs_of(model).function_graphs)
         for partition in function.partition_graphs
         for node in partition.node
-        if node.op == "Exp" and "attention" in node.name and len(node.attr["_output_shapes"].list.shape[0].dim) == 4
+        if node.op.endswith(op) and "attention" in node.name and node.attr["_output_shapes"].list.shape
+        and len(shape := tuple(dim.size for dim in node.attr["_output_shapes"].list.shape[0].dim)) == 4
     }
 
 
@@ -85,14 +87,7 @@ def test_flash_attention_turned_off_keeps_keras_attention():
         )
     finally:
         keras.config.enable_flash_attention()  # Keras' default (None: not asked)
-    shapes = {
-        tuple(dim.size for dim in node.attr["_output_shapes"].list.shape[0].dim)
-        for function in filter(is_train_step, first_step_graphs_of(model).function_graphs)
-        for partition in function.partition_graphs
-        for node in partition.node
-        if node.op.endswith("Softmax") and "attention" in node.name and node.attr["_output_shapes"].list.shape
-    }
-    assert (BATCH // 2, HEADS // 2, SEQUENCE // 2, SEQUENCE) in shapes
+    assert (BATCH // 2, HEADS // 2, SEQUENCE // 2, SEQUENCE) in per_device_score_shapes(model, "Softmax")
 
 
 @pytest.mark.parametrize("name", ["GPT2Backbone", "LlamaBackbone"])

@@ -104,9 +104,6 @@ class _Plan:
     heads_widths: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     heads_before: tuple[tuple[Any, ...], set[tuple[int, int]]] = ((), set())
 
-    def divides(self, variable: Any, dim: int) -> bool:
-        return int(variable.shape[dim]) % self.size == 0
-
     def split(self, variable: Any, dim: int, why: str, experts: bool = False) -> bool:
         """Splits `variable` on `dim` over the plan's axis (its expert axis,
         `experts`) if that divides; records why not, and why the expert axis

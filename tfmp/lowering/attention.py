@@ -198,18 +198,16 @@ def _blockwise_attention(
         for block in range(blocks):
             scores, _ = scores_of(q, k, block)
             block_max = tf.reduce_max(scores, axis=-1, keepdims=True)
-            values = tf.cast(block_of(v, block), float32)
-            if maximum is None:
-                maximum = block_max
-                exps = tf.exp(scores - maximum)
-                total = tf.reduce_sum(exps, axis=-1, keepdims=True)
-                weighted = tf.einsum("BNTS,BSNH->BNTH", exps, values)
-                continue
-            grown = tf.maximum(maximum, block_max)
-            rescale = tf.exp(maximum - grown)
+            grown = block_max if maximum is None else tf.maximum(maximum, block_max)
             exps = tf.exp(scores - grown)
-            total = total * rescale + tf.reduce_sum(exps, axis=-1, keepdims=True)
-            weighted = weighted * rescale + tf.einsum("BNTS,BSNH->BNTH", exps, values)
+            block_total = tf.reduce_sum(exps, axis=-1, keepdims=True)
+            block_weighted = tf.einsum("BNTS,BSNH->BNTH", exps, tf.cast(block_of(v, block), float32))
+            if maximum is None:
+                total, weighted = block_total, block_weighted
+            else:
+                rescale = tf.exp(maximum - grown)
+                total = total * rescale + block_total
+                weighted = weighted * rescale + block_weighted
             maximum = grown
         output = weighted / total
 
