@@ -38,6 +38,12 @@ bytes grow with the square of the length; under context parallelism
 attention runs a block of keys at a time and keeps none
 (`tfmp/lowering/attention.py`).
 
+Last, KerasHub's Llama (one block, width 64, 8 query and 4 key and value
+heads, a Dense vocabulary head) on 1x8x1 with `layout_map="auto"` at the
+longest length: its kept bytes with its own softmax
+(`keras.config.disable_flash_attention()`) and through the blockwise
+attention (`tfmp/lowering/hub_attention.py`).
+
     PYTHONPATH=$PWD python bench/long_context.py [--lengths 256,512,1024]
 
 docs/tensor-parallel.md has the numbers of a run.
@@ -73,23 +79,40 @@ CONFIGURATIONS = {
     "context": ((1, 8, 1), ("batch", "sequence", "model"), {"context_parallel": True}),
     "context+tensor": ((1, 4, 2), ("batch", "sequence", "model"), {"context_parallel": True}),
 }
+# KerasHub's Llama (one decoder block of the same width and heads, 4 key
+# and value heads) on 1x8x1 with "auto": its own softmax, or
+# `ops.dot_product_attention` a block of keys at a time.
+HUB_CONFIGURATIONS = {
+    "llama, own softmax": {"flash_attention": False},
+    "llama, blockwise": {"flash_attention": None},
+}
 _NOT_ACTIVATIONS = ("Const", "ReadVariableOp", "_Arg", "_Retval", "NoOp", "Identity", "IdentityN")
 
 
 def activation_bytes(name: str, length: int) -> dict:
     """The forward activation bytes of the first device of configuration
     `name` for one training step on sequences of `length` tokens."""
-    shape, axes, kwargs = CONFIGURATIONS[name]
-    mesh = tfmp.DeviceMesh(shape, axes)
-    strategy = tfmp.ModelParallelStrategy(mesh, megatron_layout_map(mesh), **kwargs)
+    if name in HUB_CONFIGURATIONS:
+        if HUB_CONFIGURATIONS[name]["flash_attention"] is False:
+            keras.config.disable_flash_attention()
+        mesh = tfmp.DeviceMesh((1, 8, 1), ("batch", "sequence", "model"))
+        strategy = tfmp.ModelParallelStrategy(mesh, "auto")
+    else:
+        shape, axes, kwargs = CONFIGURATIONS[name]
+        mesh = tfmp.DeviceMesh(shape, axes)
+        strategy = tfmp.ModelParallelStrategy(mesh, megatron_layout_map(mesh), **kwargs)
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = build_transformer_lm(seq_len=length, d_model=WIDTH, num_heads=HEADS, ffn_dim=FFN)
+        model = build_hub_llama() if name in HUB_CONFIGURATIONS else build_transformer_lm(
+            seq_len=length, d_model=WIDTH, num_heads=HEADS, ffn_dim=FFN
+        )
         model.compile(
             keras.optimizers.Adam(0.01),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     x, y = next_token_data(BATCH, length, 64)
+    if name in HUB_CONFIGURATIONS:
+        x = {"token_ids": x, "padding_mask": np.ones_like(x)}
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     first = mesh.dtensor_mesh.local_devices()[0]
     produced = kept = largest = 0
@@ -107,6 +130,17 @@ def activation_bytes(name: str, length: int) -> dict:
                     largest = max([largest, *sizes])
             kept += sum(_output_bytes(nodes[name], index) for name, index in read_back)
     return {"produced": produced, "kept": kept, "largest": largest}
+
+
+def build_hub_llama() -> keras.Model:
+    """KerasHub's Llama backbone, one block, under a Dense vocabulary head."""
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=HEADS, num_key_value_heads=HEADS // 2,
+        hidden_dim=WIDTH, intermediate_dim=FFN,
+    )
+    return keras.Model(backbone.input, keras.layers.Dense(64, name="lm_head")(backbone.output))
 
 
 def _op_name(node) -> str:
@@ -308,6 +342,13 @@ def main() -> None:
         ratio = kept[name][lengths[-1]] / ideal[lengths[-1]]
         print(f'RESULT measure="activation bytes kept per device / ideal, {name}, {lengths[-1]} tokens" '
               f"ratio={ratio:.2f} target=- status=-")
+    hub = {name: measured_in_a_fresh_process(name, lengths[-1]) for name in HUB_CONFIGURATIONS}
+    print(f"KerasHub's Llama on 1x8x1, {lengths[-1]} tokens, activation bytes per device: kept, largest")
+    for name, bytes_ in hub.items():
+        print(f"  {name:20s}{bytes_['kept']:>14,d} {bytes_['largest']:>13,d}")
+    ratio = hub["llama, blockwise"]["kept"] / hub["llama, own softmax"]["kept"]
+    print(f'RESULT measure="KerasHub Llama under context parallelism, kept bytes, blockwise / own softmax, '
+          f'{lengths[-1]} tokens" ratio={ratio:.2f} target=- status=-')
 
 
 if __name__ == "__main__":

@@ -486,7 +486,8 @@ def pooled_classifier(name: str) -> Any:
 
     backbone = BACKBONES[name]()
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
-    return keras.Model(backbone.input, keras.layers.Dense(4, name="classifier")(pooled))
+    classifier = keras.layers.Dense(4, name="classifier")(pooled)
+    return keras.Model(backbone.input, classifier, name=f"{name.removesuffix('Backbone').lower()}_classifier")
 
 
 def pooled_classifier_data(n: int = 13) -> tuple[dict, Any]:

@@ -7,6 +7,8 @@ Each program trains from one device's initial weights on a 2x2x2
 end with one the batch axis does not divide.
 """
 
+import re
+
 import pytest
 
 import tfmp
@@ -27,13 +29,17 @@ def context_parallel_strategy(layout_map_fn=megatron_layout_map, **kwargs):
 def per_device_score_shapes(model, op: str = "Exp") -> set:
     """The shapes of the 4-D outputs of attention's `op` (by default the
     exponentiated scores; "Softmax" for Keras' own) on each device, in the
-    forward and backward passes of the model's first steps."""
+    forward and backward passes of the model's first steps (the model's
+    own ops, in its name scope: a model trained before it in the process
+    may show too)."""
+    own = re.compile(rf"(^|/){re.escape(model.name)}(_\d+)?/")
     return {
         shape
         for function in filter(is_train_step, first_step_graphs_of(model).function_graphs)
         for partition in function.partition_graphs
         for node in partition.node
-        if node.op.endswith(op) and "attention" in node.name and node.attr["_output_shapes"].list.shape
+        if node.op.endswith(op) and "attention" in node.name and own.search(node.name)
+        and node.attr["_output_shapes"].list.shape
         and len(shape := tuple(dim.size for dim in node.attr["_output_shapes"].list.shape[0].dim)) == 4
     }
 
@@ -90,11 +96,25 @@ def test_flash_attention_turned_off_keeps_keras_attention():
     assert (BATCH // 2, HEADS // 2, SEQUENCE // 2, SEQUENCE) in per_device_score_shapes(model, "Softmax")
 
 
-@pytest.mark.parametrize("name", ["GPT2Backbone", "LlamaBackbone"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "GPT2Backbone",
+        *(f"{name}Backbone" for name in ("Llama", "Mistral", "Phi3", "GPTNeoX", "Gemma")),
+        *(f"{name}Backbone" for name in ("Qwen2", "QwenMoe", "Qwen3", "Qwen3Moe")),
+    ],
+)
 def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     """Padding masks (every third row padded) and causal masks; GPT-2's own
     dropout and position embedding, Llama's rotary embedding and grouped
-    keys and values; `layout_map="auto"` on "model"."""
+    keys and values, Mistral's sliding window in its mask, Gemma's query
+    scaling, Qwen 3's query and key norms and its sliding window (32768
+    keys, wider than the sequence), the Qwen mixtures of experts;
+    `layout_map="auto"` on "model". KerasHub's attention layers
+    (`tfmp.lowering.hub_attention`) take the keys a block at a time: no
+    device computes a softmax over every key. GPT-2's drops out its scores
+    (dropout 0.1), so it keeps Keras' softmax. (Mixtral's attention is
+    Mistral's; its experts' float order moves Adam's weights by 1.3e-5.)"""
     from hub_backbones import pooled_classifier, pooled_classifier_data
 
     x, y = pooled_classifier_data()
@@ -107,8 +127,61 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
         steps=4,
     )
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
-    assert any(path.endswith("self_attention") for path in laid_out), laid_out
+    assert any("attention" in path for path in laid_out), laid_out
     assert all(axes == SPLIT for _, axes in laid_out.values())
+    # Each device's queries (half the sequence), against every key or a
+    # block of keys at a time (with the running maximum's rescaling).
+    every_key = per_device_score_shapes(model, "Softmax")
+    if name == "GPT2Backbone":
+        assert every_key and {shape[2:] for shape in every_key} == {(SEQUENCE // 2, SEQUENCE)}, every_key
+        return
+    assert not every_key, every_key
+    blocks = {shape[2:] for shape in per_device_score_shapes(model)}
+    assert blocks == {(SEQUENCE // 2, SEQUENCE // 2), (SEQUENCE // 2, 1)}, blocks
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        # Qwen's own path alone applies its window, here narrower than the keys.
+        ("Qwen3Backbone", dict(head_dim=4, sliding_window_size=4)),
+        # GPT-NeoX's own path drops out its probabilities.
+        ("GPTNeoXBackbone", dict(num_heads=4, max_sequence_length=16, rotary_percentage=0.5, dropout=0.1)),
+    ],
+)
+def test_keras_hub_attention_keeps_its_own_softmax_where_the_fused_path_differs(name, config):
+    """Where KerasHub's fused path would compute something else than its
+    own (a sliding window the fused path ignores, dropout on the scores),
+    the layer keeps its own softmax over every key under context
+    parallelism, with one device's numbers."""
+    import keras
+    import keras_hub
+    from hub_backbones import GROUPED, TEXT, pooled_classifier_data
+
+    def build():
+        sizes = TEXT if name == "GPTNeoXBackbone" else GROUPED
+        backbone = getattr(keras_hub.models, name)(**sizes, **config)
+        pooled = keras.layers.GlobalAveragePooling1D()(backbone.output)
+        return keras.Model(backbone.input, keras.layers.Dense(4)(pooled), name="own_softmax")
+
+    x, y = pooled_classifier_data()
+    model = assert_parity(
+        build,
+        x=x,
+        y=y,
+        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),
+        batch_size=4,
+        steps=4,
+    )
+    assert {shape[2:] for shape in per_device_score_shapes(model, "Softmax")} == {(SEQUENCE // 2, SEQUENCE)}
+
+
+def test_keras_hub_finds_no_fused_attention_op_on_tensorflow():
+    """Canary of `tfmp.lowering.hub_attention`: when KerasHub takes
+    `ops.dot_product_attention` on TensorFlow itself, its patches can go."""
+    from keras_hub.src.utils.keras_utils import fused_attention_op_available
+
+    assert not fused_attention_op_available()
 
 
 def test_keras_hub_causal_lm_with_auto_layout_matches_one_device():

@@ -125,6 +125,7 @@ from tfmp import integrations
 tfmp.simulate_devices(2)
 __import__("tf_keras")
 __import__("orbit")
+__import__("keras_hub")
 patches = [d.patch for d in integrations.declarations() if not d.on_import and d.patch.kind != "instance"]
 patches = [p for p in patches if p.in_installed_library()]
 MISSING = object()
@@ -174,7 +175,7 @@ def test_the_last_strategy_to_go_takes_every_patch_back_and_plain_keras_runs_unp
         timeout=300,
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
-    # Every patch of Keras, TensorFlow, tf_keras and Orbit applied by the strategy.
+    # Every patch of Keras, TensorFlow, tf_keras, Orbit and KerasHub applied by the strategy.
     assert int(finished.stdout.split()[-1]) == sum(
         not e.on_import and e.patch.kind != "instance" and e.patch.in_installed_library() for e in ENTRIES
     )

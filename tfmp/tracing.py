@@ -64,6 +64,9 @@ class TracingContext(threading.local):
             sequence, `{gathered.ref(): (split, gather)}`: attention's
             backward pass gathers them again from `split` instead of
             keeping them (`tfmp.lowering.attention`).
+        fused_attention: Whether the KerasHub attention layer being traced
+            takes `ops.dot_product_attention` rather than its own softmax
+            (`tfmp.lowering.hub_attention`).
     """
 
     def __init__(self) -> None:
@@ -83,6 +86,7 @@ class TracingContext(threading.local):
         self.step_on_mesh = False
         self.step_sequence_axis: str | None = None
         self.sequence_gathers: dict = {}
+        self.fused_attention = False
 
 
 context = TracingContext()

@@ -1,8 +1,9 @@
-"""Every place tfmp changes Keras, tf_keras, Orbit or TensorFlow, as data.
+"""Every place tfmp changes Keras, tf_keras, Orbit, KerasHub or TensorFlow,
+as data.
 
 tfmp trains ordinary Keras models, so it meets those libraries at a few of
 their entry points: `Layer.__call__`, the trainer's `fit`, tf_keras' step
-functions, Orbit's loops, DTensor's Relayout gradient. Each such change is a
+functions, Orbit's loops, KerasHub's attention, DTensor's Relayout gradient. Each such change is a
 `Patch`, naming what it replaces, the tfmp function that wraps the original,
 why, and since which release. The layer of tfmp that owns a wrapper declares
 its patches with `declare()` (the strategy in `tfmp.strategy.patches`, the
@@ -52,6 +53,7 @@ _LIBRARIES = (
     "tfmp.integrations.keras",
     "tfmp.integrations.tf_keras",
     "tfmp.integrations.orbit",
+    "tfmp.integrations.keras_hub",
 )
 
 
@@ -232,9 +234,9 @@ def install(holder: Any = None) -> None:
     """Applies the declarations of every library that is imported and not
     yet patched. With a `holder` (a strategy being made), the patches stay
     until every holder is garbage collected, then `uninstall()` runs.
-    Without one (data distributed by a strategy that exists), it adds the
-    patches of libraries imported since (tf_keras and Orbit may be imported
-    after the strategy)."""
+    Without one (a step traced or data distributed by a strategy that
+    exists), it adds the patches of libraries imported since (tf_keras,
+    Orbit and KerasHub may be imported after the strategy)."""
     global _holders
     with _lock:
         if holder is not None:

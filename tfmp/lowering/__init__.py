@@ -20,6 +20,7 @@ from tfmp.lowering import (
     attention,
     conv,
     elementwise,
+    hub_attention,
     image,
     indexing,
     joins,
@@ -36,7 +37,7 @@ from tfmp.lowering.registry import Lowering
 
 # Each module holds the lowerings of one op family, as a tuple `LOWERINGS`,
 # and the TensorFlow functions it patches with its code, `PATCHES`.
-FAMILIES = (conv, rnn, random, indexing, image, joins, slicing, pooling, reduction, elementwise, arrays, losses, attention, loops, replicated)
+FAMILIES = (conv, rnn, random, indexing, image, joins, slicing, pooling, reduction, elementwise, arrays, losses, attention, hub_attention, loops, replicated)
 
 
 def lowerings() -> tuple[Lowering, ...]:

@@ -35,7 +35,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.core import convert_to_tensor
 from keras.src.backend.tensorflow.nn import _get_large_negative
 
-from tfmp.forward import BACKWARD_SCOPE, forward_mesh
+from tfmp.forward import BACKWARD_SCOPE, forward_mesh, forward_on
 from tfmp.lowering.registry import Lowering, keras_original
 from tfmp.tracing import context
 
@@ -151,6 +151,7 @@ def _blockwise_attention(
     """Attention of `query` (B, T, N, H) over `key` and `value` (B, S, N, H)
     in `blocks` blocks of keys, with flash attention's backward pass."""
     float32 = keras.backend.result_type(query.dtype, "float32")
+    mesh = forward_mesh()
     queries, keys = query.shape[1], key.shape[1]
     width = keys // blocks
     scale = tf.cast(scale, float32)
@@ -212,7 +213,10 @@ def _blockwise_attention(
         output = weighted / total
 
         def gradient(upstream: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-            with tf.name_scope(BACKWARD_SCOPE):
+            # On the forward pass's mesh, as far as tfmp's patches go: the
+            # blocks' key and value gradients are joined whole along the
+            # sequence, as `tf.concat` joins them there.
+            with tf.name_scope(BACKWARD_SCOPE), forward_on(mesh):
                 return backward(upstream)
 
         def backward(upstream: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:

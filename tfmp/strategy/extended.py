@@ -399,6 +399,8 @@ class ModelParallelExtended(distribute_lib.StrategyExtendedV2):
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         distribute_lib._require_cross_replica_or_default_context_extended(self)  # noqa: SLF001
         args, kwargs = restored((args, kwargs or {}))
+        # A library tfmp changes (KerasHub) may be imported after the strategy was made.
+        integrations.install()
         self.apply_custom_loop_auto_layouts()
         if not self._keras_methods:
             with tf.init_scope():  # a custom loop's step: before it runs
