@@ -392,3 +392,17 @@ def test_auto_layout_turns_context_parallelism_on_over_a_sequence_axis(layout_ma
 def test_bad_context_parallel_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         context_parallel_strategy(**kwargs)
+
+
+@pytest.mark.parametrize("option", ["context_parallel", "sequence_parallel"])
+def test_splitting_sequences_inside_a_pipeline_is_a_named_error(option):
+    """A pipeline's training step with the sequence split inside its stages
+    fails in DTensor (a loss reduction across the stages' meshes): tfmp says
+    so when the strategy is made, and `"auto"` leaves context parallelism
+    off on a mesh with a stage axis."""
+    axes = ("stage", "batch", "sequence", "model")
+    device_mesh = mesh((2, 1, 2, 2), axes)
+    with pytest.raises(ValueError, match=rf"{option} splits sequences over mesh axis '\w+', and this mesh "
+                       r"has the pipeline axis 'stage'.*Pass " + option + "=False"):
+        tfmp.ModelParallelStrategy(device_mesh, "auto", **{option: True})
+    assert tfmp.ModelParallelStrategy(device_mesh, "auto").context_parallel_axis is None

@@ -64,9 +64,11 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             sequence, so each device of the axis keeps 1/N of the activations
             between tensor-parallel blocks (`tfmp.strategy.sequence_parallel`).
             A `"<layer path>/output"` rule of the layout map wins over it.
+            Not with a pipeline (a `"stage"` axis) yet.
         context_parallel: Context parallelism, over mesh axis `"sequence"`
             (True) or the axis named; by default (None) on with
-            `layout_map="auto"` on a mesh with a `"sequence"` axis, else off.
+            `layout_map="auto"` on a mesh with a `"sequence"` axis and no
+            `"stage"` axis, else off (not with a pipeline yet).
             The sequence is split over the axis
             through the whole model (norms', dropouts' and attention layers'
             `(batch, sequence, features)` outputs), and each attention layer
@@ -129,10 +131,23 @@ class ModelParallelStrategy(tf.distribute.Strategy):
             mesh, sequence_parallel, batch_axis, "sequence_parallel", "model"
         )
         if context_parallel is None:
-            context_parallel = _context_parallel_by_default(mesh, layout_map, batch_axis, sequence_parallel)
+            context_parallel = _context_parallel_by_default(
+                mesh, layout_map, batch_axis, sequence_parallel, stages.stage_axis
+            )
         self.context_parallel_axis = _sequence_axis(
             mesh, context_parallel, batch_axis, "context_parallel", _CONTEXT_AXIS
         )
+        for option, axis in (
+            ("sequence_parallel", self.sequence_parallel_axis),
+            ("context_parallel", self.context_parallel_axis),
+        ):
+            if axis is not None and stages.stage_axis is not None:
+                raise ValueError(
+                    f"{option} splits sequences over mesh axis {axis!r}, and this mesh has the "
+                    f"pipeline axis {stages.stage_axis!r}: tfmp does not split sequences inside "
+                    f"pipeline stages yet (DTensor fails the training step). Pass {option}=False "
+                    "for the pipeline, or split the sequence on a mesh without a stage axis."
+                )
         if self.sequence_parallel_axis and self.context_parallel_axis:
             raise ValueError(
                 f"sequence_parallel={sequence_parallel!r} and context_parallel="
@@ -275,14 +290,19 @@ class ModelParallelStrategy(tf.distribute.Strategy):
 
 
 def _context_parallel_by_default(
-    mesh: DeviceMesh, layout_map: Any, batch_axis: str | None, sequence_parallel: bool | str
+    mesh: DeviceMesh,
+    layout_map: Any,
+    batch_axis: str | None,
+    sequence_parallel: bool | str,
+    stage_axis: str | None,
 ) -> bool:
     """Whether context parallelism is on when not asked about: with
     `layout_map="auto"` on a mesh with a `"sequence"` axis longer than 1 (the
-    axis it would use, which nothing else splits), and sequence parallelism
-    off."""
+    axis it would use, which nothing else splits), sequence parallelism off
+    and no pipeline."""
     return (
-        isinstance(layout_map, str)
+        stage_axis is None
+        and isinstance(layout_map, str)
         and layout_map == "auto"
         and _CONTEXT_AXIS in mesh.axis_names
         and mesh.axis_size(_CONTEXT_AXIS) > 1
