@@ -80,10 +80,10 @@ class HubAttention:
 HUB_ATTENTION = (
     HubAttention("llama.llama_attention", "LlamaAttention"),
     HubAttention("mistral.mistral_attention", "CachedMistralAttention"),
-    HubAttention("mixtral.mixtral_attention", "CachedMixtralAttention", _LAYER_GATE),
     HubAttention("phi3.phi3_attention", "Phi3Attention"),
     HubAttention("gpt_neo_x.gpt_neo_x_attention", "GPTNeoXAttention", drops_out_scores=True),
     HubAttention("gemma.gemma_attention", "CachedGemmaAttention", _LAYER_GATE, key="k", drops_out_scores=True),
+    HubAttention("smollm3.smollm3_layers", "SmolLM3Attention"),
     HubAttention("qwen.qwen_attention", "QwenAttention", own_window=True),
     HubAttention("qwen_moe.qwen_moe_attention", "QwenMoeAttention", _LAYER_GATE, own_window=True),
     HubAttention("qwen3.qwen3_attention", "Qwen3Attention", own_window=True),
