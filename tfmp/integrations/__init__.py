@@ -3,9 +3,9 @@ as data.
 
 tfmp trains ordinary Keras models, so it meets those libraries at a few of
 their entry points: `Layer.__call__`, the trainer's `fit`, tf_keras' step
-functions, Orbit's loops, KerasHub's attention, DTensor's Relayout gradient. Each such change is a
-`Patch`, naming what it replaces, the tfmp function that wraps the original,
-why, and since which release. The layer of tfmp that owns a wrapper declares
+functions, Orbit's loops, KerasHub's attention, DTensor's Relayout
+gradient. Each such change is a `Patch`, naming what it replaces, the tfmp
+function that wraps the original, why, and since which release. The layer of tfmp that owns a wrapper declares
 its patches with `declare()` (the strategy in `tfmp.strategy.patches`, the
 pipeline, a callback, a layer, each lowering family), so no module here
 names a higher layer; this package's modules hold one library each: its

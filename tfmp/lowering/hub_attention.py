@@ -63,6 +63,12 @@ class HubAttention:
         own_window: Whether the layer's own path alone applies its sliding
             window (`sliding_window_size`, where `use_sliding_window_attention`
             is on or absent).
+
+    Examples:
+        >>> from tfmp.lowering.hub_attention import HUB_ATTENTION
+        >>> llama = HUB_ATTENTION[0]
+        >>> llama.target, llama.gate
+        ('keras_hub.src.models.llama.llama_attention:LlamaAttention', 'fused_attention_op_available')
     """
 
     module: str
@@ -111,6 +117,8 @@ def takes_the_fused_path(attention: HubAttention) -> Callable[[Callable], Callab
 
 
 def _fused_path_is_exact(attention: HubAttention, layer: Any, key: Any) -> bool:
+    """Whether `layer`, called with `key` under context parallelism, computes
+    through the fused path what its own path does."""
     if forward_mesh() is None or not context.splits_sequences:
         return False
     if keras.config.is_flash_attention_enabled() is False or getattr(layer, "logit_soft_cap", None) is not None:
