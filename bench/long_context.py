@@ -80,12 +80,9 @@ CONFIGURATIONS = {
     "context+tensor": ((1, 4, 2), ("batch", "sequence", "model"), {"context_parallel": True}),
 }
 # KerasHub's Llama (one decoder block of the same width and heads, 4 key
-# and value heads) on 1x8x1 with "auto": its own softmax, or
-# `ops.dot_product_attention` a block of keys at a time.
-HUB_CONFIGURATIONS = {
-    "llama, own softmax": {"flash_attention": False},
-    "llama, blockwise": {"flash_attention": None},
-}
+# and value heads) on 1x8x1 with "auto": whether it takes
+# `ops.dot_product_attention` a block of keys at a time (else its own softmax).
+HUB_CONFIGURATIONS = {"llama, own softmax": False, "llama, blockwise": True}
 _NOT_ACTIVATIONS = ("Const", "ReadVariableOp", "_Arg", "_Retval", "NoOp", "Identity", "IdentityN")
 
 
@@ -93,7 +90,7 @@ def activation_bytes(name: str, length: int) -> dict:
     """The forward activation bytes of the first device of configuration
     `name` for one training step on sequences of `length` tokens."""
     if name in HUB_CONFIGURATIONS:
-        if HUB_CONFIGURATIONS[name]["flash_attention"] is False:
+        if not HUB_CONFIGURATIONS[name]:
             keras.config.disable_flash_attention()
         mesh = tfmp.DeviceMesh((1, 8, 1), ("batch", "sequence", "model"))
         strategy = tfmp.ModelParallelStrategy(mesh, "auto")

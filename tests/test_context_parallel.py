@@ -146,11 +146,14 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
         ("Qwen3Backbone", dict(head_dim=4, sliding_window_size=4)),
         # GPT-NeoX's own path drops out its probabilities.
         ("GPTNeoXBackbone", dict(num_heads=4, max_sequence_length=16, rotary_percentage=0.5, dropout=0.1)),
+        # Gemma 2's soft cap, which Keras' op takes on JAX's TPUs only.
+        ("GemmaBackbone", dict(head_dim=4, attention_logit_soft_cap=50.0)),
     ],
 )
 def test_keras_hub_attention_keeps_its_own_softmax_where_the_fused_path_differs(name, config):
     """Where KerasHub's fused path would compute something else than its
-    own (a sliding window the fused path ignores, dropout on the scores),
+    own (a sliding window the fused path ignores, dropout on the scores, a
+    logit soft cap),
     the layer keeps its own softmax over every key under context
     parallelism, with one device's numbers."""
     import keras
