@@ -26,7 +26,9 @@ setup(
             "ipykernel",
             "mkdocs>=1.6",
             "mkdocstrings[python]>=0.26",
-            "keras-hub",
+            # The KerasHub release tfmp's attention patches were tested with
+            # (tfmp/integrations/keras_hub.py).
+            "keras-hub>=0.32,<0.33",
             "scikit-learn",
         ],
         "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
