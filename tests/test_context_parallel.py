@@ -153,9 +153,8 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
 def test_keras_hub_attention_keeps_its_own_softmax_where_the_fused_path_differs(name, config):
     """Where KerasHub's fused path would compute something else than its
     own (a sliding window the fused path ignores, dropout on the scores, a
-    logit soft cap),
-    the layer keeps its own softmax over every key under context
-    parallelism, with one device's numbers."""
+    logit soft cap), the layer keeps its own softmax over every key under
+    context parallelism, with one device's numbers."""
     import keras
     import keras_hub
     from hub_backbones import GROUPED, TEXT, pooled_classifier_data

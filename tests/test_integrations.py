@@ -181,6 +181,35 @@ def test_the_last_strategy_to_go_takes_every_patch_back_and_plain_keras_runs_unp
     )
 
 
+_PATCHED_WHEN_IMPORTED_AFTER_THE_STRATEGY = """
+import numpy as np
+import keras
+import tfmp
+
+tfmp.simulate_devices(2)
+strategy = tfmp.ModelParallelStrategy(tfmp.DeviceMesh((2,), ("batch",)))
+import keras_hub  # after the strategy, as a notebook may
+from keras_hub.src.models.llama.llama_attention import LlamaAttention
+
+original = LlamaAttention._compute_attention
+with strategy.scope():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(np.ones((4, 2), "float32"), np.ones((4, 1), "float32"), batch_size=2, verbose=0)
+assert LlamaAttention._compute_attention is not original, "KerasHub not patched by the step"
+"""
+
+
+def test_a_library_imported_after_the_strategy_is_patched_when_a_step_is_traced():
+    finished = subprocess.run(
+        [sys.executable, "-c", _PATCHED_WHEN_IMPORTED_AFTER_THE_STRATEGY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+
+
 def test_one_attribute_is_patched_in_one_place():
     declared = integrations.declarations()[0]
     with pytest.raises(ValueError, match=r"patched by .* already, and tests.elsewhere declares it again"):
