@@ -337,15 +337,25 @@ def test_attention_a_block_of_keys_at_a_time_matches_keras(masks):
 
 
 @pytest.mark.parametrize(
-    "keys, devices, blocks",
-    [(8, 2, 2), (1024, 2, 2), (2048, 2, 4), (4096, 8, 8), (12288, 8, 32), (1536, 2, 4), (1030, 2, 2)],
+    "queries, keys, devices, blocks",
+    [
+        (8, 8, 2, 2),
+        (1024, 1024, 2, 2),  # 512 queries x 512 keys per device
+        (2048, 2048, 2, 8),  # 1024 x 256
+        (4096, 4096, 8, 8),  # 512 x 512
+        (1536, 1536, 2, 8),  # 768 x 192
+        (12288, 12288, 8, 64),  # 1536 x 192: 96 keys would be narrower than 128
+        (1030, 1030, 2, 2),  # 515 x 515: 515 is odd
+        (64, 8192, 8, 8),  # 8 x 1024: few queries, wide blocks
+    ],
 )
-def test_keys_are_taken_in_blocks_of_at_most_512_where_they_divide(keys, devices, blocks):
-    """Each device's part of the keys, halved while wider than 512 keys and
-    the halves divide (1030 keys on 2 devices: 515 each, an odd number)."""
+def test_a_blocks_scores_stay_within_512_by_512_where_the_keys_divide(queries, keys, devices, blocks):
+    """Each device's part of the keys, halved while a block's scores per
+    batch row and head exceed 512 x 512, the halves divide and are at least
+    128 keys wide."""
     from tfmp.lowering.attention import key_blocks
 
-    assert key_blocks(keys, devices) == blocks
+    assert key_blocks(queries, keys, devices) == blocks
 
 
 def test_a_sequence_that_does_not_divide_is_a_named_error():

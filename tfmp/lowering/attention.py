@@ -9,7 +9,9 @@ a long sequence, growing with its square. Under context parallelism tfmp
 computes it as flash attention does:
 
 - the keys and values in blocks: each device's part of the sequence, as a
-  ring would pass them, halved while wider than `KEYS_PER_BLOCK` keys;
+  ring would pass them, halved while a block's scores exceed
+  `SCORES_PER_BLOCK` per batch row and head (512 queries x 512 keys), down
+  to `MIN_KEYS_PER_BLOCK` keys;
 - per query a running maximum of the scores and a running sum of their
   exponentials (the online softmax), the output rescaled as the maximum
   grows;
@@ -41,9 +43,16 @@ from tfmp.tracing import context
 
 _KERAS_NN = "keras.src.backend.tensorflow.nn"
 
-# The widest block of keys: a block's scores, `(batch, heads, queries on a
-# device, keys in the block)`, are the largest value the layer computes.
-KEYS_PER_BLOCK = 512
+# A block's scores, `(batch, heads, queries on a device, keys in the
+# block)`, are the largest value the layer computes: the blocks narrow until
+# each batch row and head holds at most this many scores (512 queries x 512
+# keys), so that value stays the same size at any length, as flash
+# attention's tiles do...
+SCORES_PER_BLOCK = 512 * 512
+# ... but no narrower than this many keys: the blocks are unrolled in the
+# graph, twice (forward and backward), and a narrower block is more ops for
+# less work each.
+MIN_KEYS_PER_BLOCK = 128
 
 
 def dot_product_attention(
@@ -126,15 +135,21 @@ def _key_blocks(query: Any, key: Any, value: Any) -> int:
     devices = mesh.dim_size(axis)
     if heads % key_heads or keys % devices or shapes[2][1] != keys or shapes[2][2] != key_heads:
         return 0
-    return key_blocks(keys, devices)
+    return key_blocks(shapes[0][1], keys, devices)
 
 
-def key_blocks(keys: int, devices: int) -> int:
-    """How many blocks `keys` keys are taken in on `devices` devices of the
-    sequence axis: each device's part, halved while wider than
-    `KEYS_PER_BLOCK` and the halves divide."""
+def key_blocks(queries: int, keys: int, devices: int) -> int:
+    """How many blocks `keys` keys are taken in for `queries` queries split
+    over `devices` devices of the sequence axis: each device's part of the
+    keys, halved while a block's scores per batch row and head, `queries /
+    devices x keys in the block`, exceed `SCORES_PER_BLOCK`, the halves
+    divide and are at least `MIN_KEYS_PER_BLOCK` keys wide."""
     blocks = devices
-    while keys // blocks > KEYS_PER_BLOCK and keys % (2 * blocks) == 0:
+    while (
+        queries // devices * (keys // blocks) > SCORES_PER_BLOCK
+        and keys % (2 * blocks) == 0
+        and keys // (2 * blocks) >= MIN_KEYS_PER_BLOCK
+    ):
         blocks *= 2
     return blocks
 
