@@ -536,3 +536,40 @@ def test_expert_banks_split_over_an_expert_axis():
         assert_parity(
             build, x=x, y=y, strategy=tfmp.ModelParallelStrategy(device_mesh, "auto"), batch_size=4, steps=4
         )
+
+
+@pytest.mark.parametrize(
+    "specs", [("unsharded", "model"), ("batch", "model"), ("model", "batch"), ("batch", "unsharded")]
+)
+def test_a_replicated_variable_moves_to_a_split_layout_as_a_relayout_would(specs):
+    """`to_layout` of a replicated value (a variable `move_variable` moves to
+    its planned layout) slices each device's own copy: each device ends with
+    the shard DTensor's relayout gives it, bit for bit."""
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    from tfmp.strategy.placement import to_layout
+
+    device_mesh = mesh((2, 4)).dtensor_mesh
+    whole = np.arange(8 * 12, dtype="float32").reshape(8, 12)
+    value = dtensor.copy_to_mesh(tf.constant(whole), dtensor.Layout.replicated(device_mesh, 2))
+    layout = dtensor.Layout(list(specs), device_mesh)
+    moved = to_layout(value, layout)
+    relaid = dtensor.relayout(value, layout)
+    assert dtensor.fetch_layout(moved) == layout
+    for ours, theirs in zip(dtensor.unpack(moved), dtensor.unpack(relaid)):
+        assert ours.device == theirs.device
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+def test_a_dimension_that_does_not_divide_fails_as_dtensors_relayout_does():
+    """6 rows over the 4 devices of "model": DTensor's own error, as before."""
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    from tfmp.strategy.placement import sliced_on_each_device
+
+    device_mesh = mesh((2, 4)).dtensor_mesh
+    copies = dtensor.unpack(dtensor.copy_to_mesh(tf.ones((6, 2)), dtensor.Layout.replicated(device_mesh, 2)))
+    with pytest.raises(tf.errors.OpError, match="divisible"):
+        sliced_on_each_device(copies, dtensor.Layout(["model", "unsharded"], device_mesh))
