@@ -3,10 +3,13 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 import tfmp
 from helpers import assert_parity, assert_weights_close, initial_weights, lm_data, mesh, train
 from tfmp.demo import build_transformer_lm, megatron_layout_map
+from tfmp.strategy.placement import to_layout
 
 
 def layouts_of(model):
@@ -545,11 +548,6 @@ def test_a_replicated_variable_moves_to_a_split_layout_as_a_relayout_would(specs
     """`to_layout` of a replicated value (a variable `move_variable` moves to
     its planned layout) slices each device's own copy: each device ends with
     the shard DTensor's relayout gives it, bit for bit."""
-    import tensorflow as tf
-    from tensorflow.experimental import dtensor
-
-    from tfmp.strategy.placement import to_layout
-
     device_mesh = mesh((2, 4)).dtensor_mesh
     whole = np.arange(8 * 12, dtype="float32").reshape(8, 12)
     value = dtensor.copy_to_mesh(tf.constant(whole), dtensor.Layout.replicated(device_mesh, 2))
@@ -564,12 +562,7 @@ def test_a_replicated_variable_moves_to_a_split_layout_as_a_relayout_would(specs
 
 def test_a_dimension_that_does_not_divide_fails_as_dtensors_relayout_does():
     """6 rows over the 4 devices of "model": DTensor's own error, as before."""
-    import tensorflow as tf
-    from tensorflow.experimental import dtensor
-
-    from tfmp.strategy.placement import sliced_on_each_device
-
     device_mesh = mesh((2, 4)).dtensor_mesh
-    copies = dtensor.unpack(dtensor.copy_to_mesh(tf.ones((6, 2)), dtensor.Layout.replicated(device_mesh, 2)))
+    value = dtensor.copy_to_mesh(tf.ones((6, 2)), dtensor.Layout.replicated(device_mesh, 2))
     with pytest.raises(tf.errors.OpError, match="divisible"):
-        sliced_on_each_device(copies, dtensor.Layout(["model", "unsharded"], device_mesh))
+        to_layout(value, dtensor.Layout(["model", "unsharded"], device_mesh))

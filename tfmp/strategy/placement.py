@@ -29,43 +29,40 @@ def to_layout(value: Any, layout: dtensor.Layout, local_rows: bool = False) -> t
         if current == layout:
             return value
         if current.mesh == layout.mesh:
-            if current.is_fully_replicated():
-                return sliced_on_each_device(dtensor.unpack(value), layout)
+            if current.is_fully_replicated() and _divides(value.shape, layout):
+                return _sliced_on_each_device(dtensor.unpack(value), layout)
             return dtensor.relayout(value, layout)
         value = to_host(value)
     return HostShards.split(value, layout, local_rows).pack()
 
 
-def sliced_on_each_device(copies: list[tf.Tensor], layout: dtensor.Layout) -> tf.Tensor:
+def _divides(shape: tf.TensorShape, layout: dtensor.Layout) -> bool:
+    return all(
+        spec == dtensor.UNSHARDED or shape[dim] % layout.mesh.dim_size(spec) == 0
+        for dim, spec in enumerate(layout.sharding_specs)
+    )
+
+
+def _sliced_on_each_device(copies: list[tf.Tensor], layout: dtensor.Layout) -> tf.Tensor:
     """A DTensor with `layout` made from `copies`, the whole value on each of
-    this client's devices in the mesh's order: each device slices its own
-    shard from its own copy.
+    this client's devices in the mesh's order (`dtensor.unpack` of a
+    replicated DTensor): each device slices its own shard from its own copy.
 
     What `dtensor.relayout` computes from a replicated value, as plain eager
     ops: DTensor compiles an eager relayout for each shape and layout (12-79
     ms each on a 2x4 CPU mesh), and laying out a planned model's variables
-    before its first step took that for each of them. A dimension that does
-    not divide goes to `dtensor.relayout`, for its error.
-
-    `copies` must be values (`dtensor.unpack` of a DTensor), not reads of a
-    variable's per-device handles: those ran ahead of DTensor's own pending
-    writes to the variable (39 of 400 reads of a new variable came back
-    empty).
+    before its first step took that for each of them.
     """
     shape = copies[0].shape
-    splits = {
-        dim: layout.mesh.dim_size(spec)
-        for dim, spec in enumerate(layout.sharding_specs)
-        if spec != dtensor.UNSHARDED
-    }
-    if any(shape[dim] % parts for dim, parts in splits.items()):
-        return dtensor.relayout(dtensor.pack(copies, dtensor.Layout.replicated(layout.mesh, shape.rank)), layout)
-    size = [length // splits.get(dim, 1) for dim, length in enumerate(shape)]
+    size = [
+        length if spec == dtensor.UNSHARDED else length // layout.mesh.dim_size(spec)
+        for length, spec in zip(shape, layout.sharding_specs)
+    ]
     shards = []
     for copy, location in zip(copies, layout.mesh.local_device_locations()):
         begin = [
-            location[layout.sharding_specs[dim]] * size[dim] if dim in splits else 0
-            for dim in range(shape.rank)
+            0 if spec == dtensor.UNSHARDED else location[spec] * part
+            for part, spec in zip(size, layout.sharding_specs)
         ]
         with tf.device(copy.device):
             shards.append(tf.slice(copy, begin, size))
