@@ -560,9 +560,13 @@ def test_a_replicated_variable_moves_to_a_split_layout_as_a_relayout_would(specs
         np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
-def test_a_dimension_that_does_not_divide_fails_as_dtensors_relayout_does():
-    """6 rows over the 4 devices of "model": DTensor's own error, as before."""
+@pytest.mark.parametrize("on_mesh", [True, False])
+def test_a_dimension_that_does_not_divide_is_a_named_error(on_mesh):
+    """6 rows over the 4 devices of "model", from the mesh or the host."""
     device_mesh = mesh((2, 4)).dtensor_mesh
-    value = dtensor.copy_to_mesh(tf.ones((6, 2)), dtensor.Layout.replicated(device_mesh, 2))
-    with pytest.raises(tf.errors.OpError, match="divisible"):
+    value = np.ones((6, 2), "float32")
+    if on_mesh:
+        value = dtensor.copy_to_mesh(tf.constant(value), dtensor.Layout.replicated(device_mesh, 2))
+    with pytest.raises(ValueError, match=r"A value of shape \(6, 2\) cannot take layout \['model', 'unsharded'\]: "
+                       r"dimension 0 \(6\) does not divide by mesh axis 'model' of size 4"):
         to_layout(value, dtensor.Layout(["model", "unsharded"], device_mesh))

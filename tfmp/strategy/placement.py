@@ -28,19 +28,29 @@ def to_layout(value: Any, layout: dtensor.Layout, local_rows: bool = False) -> t
         current = dtensor.fetch_layout(value)
         if current == layout:
             return value
+        _check_divides(value.shape, layout)
         if current.mesh == layout.mesh:
-            if current.is_fully_replicated() and _divides(value.shape, layout):
+            if current.is_fully_replicated():
                 return _sliced_on_each_device(dtensor.unpack(value), layout)
             return dtensor.relayout(value, layout)
         value = to_host(value)
+    elif not local_rows:
+        value = tf.convert_to_tensor(value)
+        _check_divides(value.shape, layout)
     return HostShards.split(value, layout, local_rows).pack()
 
 
-def _divides(shape: tf.TensorShape, layout: dtensor.Layout) -> bool:
-    return all(
-        spec == dtensor.UNSHARDED or shape[dim] % layout.mesh.dim_size(spec) == 0
-        for dim, spec in enumerate(layout.sharding_specs)
-    )
+def _check_divides(shape: tf.TensorShape, layout: dtensor.Layout) -> None:
+    """Raises a ValueError naming the dimension of `shape` that `layout`
+    splits over a mesh axis whose size does not divide it."""
+    for dim, spec in enumerate(layout.sharding_specs):
+        if spec != dtensor.UNSHARDED and shape[dim] % layout.mesh.dim_size(spec):
+            raise ValueError(
+                f"A value of shape {tuple(shape)} cannot take layout {list(layout.sharding_specs)}: "
+                f"dimension {dim} ({shape[dim]}) does not divide by mesh axis {spec!r} of size "
+                f"{layout.mesh.dim_size(spec)}. Split only dimensions that divide by their axis, "
+                "or leave this one unsharded."
+            )
 
 
 def _sliced_on_each_device(copies: list[tf.Tensor], layout: dtensor.Layout) -> tf.Tensor:
