@@ -4,13 +4,13 @@ tables are the declarations'."""
 
 import inspect
 import pathlib
-import subprocess
 import sys
 import types
 import warnings
 
 import pytest
 
+from helpers import run_in_fresh_process
 from tfmp import integrations
 from tfmp.integrations import table
 
@@ -109,7 +109,7 @@ def test_importing_tfmp_patches_only_keras_distribution_and_imports_no_optional_
         "strategy = tfmp.ModelParallelStrategy(tfmp.DeviceMesh((1,), ('batch',)))\n"
         "assert keras.layers.Layer.__call__ is not call, 'not installed with the strategy'\n"
     )
-    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    finished = run_in_fresh_process(script, timeout=120)
     assert finished.returncode == 0, finished.stderr[-2000:]
 
 
@@ -168,12 +168,7 @@ print(len(patches))
 
 
 def test_the_last_strategy_to_go_takes_every_patch_back_and_plain_keras_runs_unpatched():
-    finished = subprocess.run(
-        [sys.executable, "-c", _UNPATCHED_AFTER_THE_LAST_STRATEGY],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    finished = run_in_fresh_process(_UNPATCHED_AFTER_THE_LAST_STRATEGY)
     assert finished.returncode == 0, finished.stderr[-3000:]
     # Every patch of Keras, TensorFlow, tf_keras, Orbit and KerasHub applied by the strategy.
     assert int(finished.stdout.split()[-1]) == sum(
@@ -201,12 +196,7 @@ assert LlamaAttention._compute_attention is not original, "KerasHub not patched 
 
 
 def test_a_library_imported_after_the_strategy_is_patched_when_a_step_is_traced():
-    finished = subprocess.run(
-        [sys.executable, "-c", _PATCHED_WHEN_IMPORTED_AFTER_THE_STRATEGY],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    finished = run_in_fresh_process(_PATCHED_WHEN_IMPORTED_AFTER_THE_STRATEGY)
     assert finished.returncode == 0, finished.stderr[-3000:]
 
 
