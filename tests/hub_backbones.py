@@ -490,11 +490,14 @@ def pooled_classifier(name: str) -> Any:
     return keras.Model(backbone.input, classifier, name=f"{name.removesuffix('Backbone').lower()}_classifier")
 
 
-def pooled_classifier_data(n: int = 13) -> tuple[dict, Any]:
+def pooled_classifier_data(n: int = 13, name: str = "") -> tuple[dict, Any]:
     """`n` rows of tokens with padding masks (every third row padded) and
-    4 regression targets each."""
+    4 regression targets each; for Gemma 4's backbone (`name`), each
+    token's position too."""
     import numpy as np
     from test_keras_interop import token_data
 
     x, _, _ = token_data(n=n)
+    if name == "Gemma4Backbone":
+        x["position_ids"] = np.broadcast_to(np.arange(x["token_ids"].shape[1], dtype="int32"), x["token_ids"].shape)
     return x, np.random.default_rng(0).normal(size=(n, 4)).astype("float32")

@@ -102,6 +102,7 @@ def test_flash_attention_turned_off_keeps_keras_attention():
         "GPT2Backbone",
         *(f"{name}Backbone" for name in ("Llama", "Mistral", "Phi3", "GPTNeoX", "SmolLM3", "Gemma")),
         *(f"{name}Backbone" for name in ("Qwen2", "QwenMoe", "Qwen3", "Qwen3Moe")),
+        "Gemma4Backbone",
     ],
 )
 def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
@@ -109,14 +110,16 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     dropout and position embedding, Llama's rotary embedding and grouped
     keys and values, Mistral's sliding window in its mask, Gemma's query
     scaling, Qwen 3's query and key norms and its sliding window (32768
-    keys, wider than the sequence), the mixtures of experts;
-    `layout_map="auto"` on "model". KerasHub's attention layers
-    (`tfmp.lowering.hub_attention`) take the keys a block at a time: no
-    device computes a softmax over every key. GPT-2's drops out its scores
-    (dropout 0.1), so it keeps Keras' softmax."""
+    keys, wider than the sequence), the mixtures of experts, Gemma 4's query
+    and key norms, unscaled scores and sliding window (8 keys, the
+    sequence's length, in the decoder's mask); `layout_map="auto"` on
+    "model". KerasHub's
+    attention layers (`tfmp.lowering.hub_attention`) take the keys a block
+    at a time: no device computes a softmax over every key. GPT-2's drops
+    out its scores (dropout 0.1), so it keeps Keras' softmax."""
     from hub_backbones import pooled_classifier, pooled_classifier_data
 
-    x, y = pooled_classifier_data()
+    x, y = pooled_classifier_data(name=name)
     model = assert_parity(
         lambda: pooled_classifier(name),
         x=x,
@@ -137,6 +140,30 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     assert not every_key, every_key
     blocks = {shape[2:] for shape in per_device_score_shapes(model)}
     assert blocks == {(SEQUENCE // 2, SEQUENCE // 2), (SEQUENCE // 2, 1)}, blocks
+
+
+def test_keras_hub_linear_attention_with_context_parallelism_matches_one_device():
+    """Qwen 3.5's linear attention (a causal convolution and a recurrence
+    over chunks of the sequence, in its first layer) computes with the
+    sequence whole and lays its output out split; its full attention layer
+    (the second) takes the keys a block at a time."""
+    from hub_backbones import pooled_classifier, pooled_classifier_data
+
+    x, y = pooled_classifier_data()
+    model = assert_parity(
+        lambda: pooled_classifier("Qwen3_5Backbone"),
+        x=x,
+        y=y,
+        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),
+        batch_size=4,
+        steps=4,
+    )
+    laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
+    assert {"transformer_layer_0/linear_attn", "transformer_layer_1/self_attention"} <= set(laid_out), laid_out
+    assert all(axes == SPLIT for _, axes in laid_out.values())
+    assert not per_device_score_shapes(model, "Softmax")
+    full_attention = {shape[2:] for shape in per_device_score_shapes(model) if shape[2] == SEQUENCE // 2}
+    assert full_attention == {(SEQUENCE // 2, SEQUENCE // 2), (SEQUENCE // 2, 1)}, full_attention
 
 
 @pytest.mark.parametrize(

@@ -89,11 +89,13 @@ HUB_ATTENTION = (
     HubAttention("phi3.phi3_attention", "Phi3Attention"),
     HubAttention("gpt_neo_x.gpt_neo_x_attention", "GPTNeoXAttention", drops_out_scores=True),
     HubAttention("gemma.gemma_attention", "CachedGemmaAttention", _LAYER_GATE, key="k", drops_out_scores=True),
+    HubAttention("gemma4.gemma4_attention", "Gemma4TextAttention", _LAYER_GATE, key="k", drops_out_scores=True),
     HubAttention("smollm3.smollm3_layers", "SmolLM3Attention"),
     HubAttention("qwen.qwen_attention", "QwenAttention", own_window=True),
     HubAttention("qwen_moe.qwen_moe_attention", "QwenMoeAttention", _LAYER_GATE, own_window=True),
     HubAttention("qwen3.qwen3_attention", "Qwen3Attention", own_window=True),
     HubAttention("qwen3_moe.qwen3_moe_attention", "Qwen3MoeAttention", own_window=True),
+    HubAttention("qwen3_5.qwen3_5_attention", "Qwen3_5Attention", own_window=True),
 )
 
 

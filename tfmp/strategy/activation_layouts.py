@@ -66,8 +66,14 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
         axes = sequence_axes(layer, outputs, axis, strategy.batch_axis, mesh.dim_size(axis), option)
         if axes is not None:
             strategy.layout_map.note_output(path, f"{option}={axis!r}", axes)
-    if axes is None and option == "context_parallel" and axis is not None and is_embedding(layer):
-        return tf.nest.map_structure(
+    # Under context parallelism the gradient of an embedding's output, and
+    # of the output of a layer that mixes positions and computed them whole
+    # (no queries of its own to split), reaches it whole: DTensor would carry
+    # the split of the later layers into their backward passes, through a
+    # lookup's gradient (rows of batch x sequence) and a linear attention's
+    # shifts and chunks, which it cannot split.
+    if splits_sequences and ((attention and not queries_split) or (axes is None and is_embedding(layer))):
+        outputs = tf.nest.map_structure(
             lambda tensor: _with_mask_of(tensor, gradient_whole_over_sequence(
                 tensor, lambda gradient: _sequence_inputs(gradient, strategy.batch_axis, None, mesh)
             )) if isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating else tensor,

@@ -12,17 +12,20 @@ layer needs it whole. Each device then holds 1/N of those activations. The
 numbers stay one device's: a relayout moves values, it computes nothing.
 
 Context parallelism (`context_parallel=True`, axis `"sequence"`) splits the
-sequence through the whole model instead: the outputs of norms,
-dropouts and attention layers are laid out `(batch, "sequence", None)`, and
-the layers between follow them; an embedding gets its output's gradient
-with the sequence whole (`gradient_whole_over_sequence`). An attention layer's inputs are split over
-the axis and its keys and values gathered whole just before the scores
-(`keys_and_values_whole`), as Llama 3's training gathers them, so each
-device computes the scores of its queries against the whole sequence, causal
-and padding masks included: 1/N of the `(sequence, sequence)` scores, or,
-where attention runs `keras.ops.dot_product_attention`, a block of keys at a
-time, keeping none (`tfmp.lowering.attention`). An attention layer without a `_compute_attention(query, key, value,
-...)` method gets its inputs whole and lays its output out split again.
+sequence through the whole model instead: the outputs of norms, dropouts
+and attention layers are laid out `(batch, "sequence", None)`, and the
+layers between follow them; an embedding gets its output's gradient with
+the sequence whole (`gradient_whole_over_sequence`). An attention layer's inputs
+are split over the axis and its keys and values gathered whole just before
+the scores (`keys_and_values_whole`), as Llama 3's training gathers them, so
+each device computes the scores of its queries against the whole sequence,
+causal and padding masks included: 1/N of the `(sequence, sequence)` scores,
+or, where attention runs `keras.ops.dot_product_attention`, a block of keys
+at a time, keeping none (`tfmp.lowering.attention`). A layer that mixes
+positions without a `_compute_attention(query, key, value, ...)` method
+(some KerasHub encoders' attention, Qwen 3.5's linear attention) computes
+with its inputs whole and its output's gradient whole, and lays its output
+out split again: exact, without the memory saving.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from tfmp.forward import BACKWARD_SCOPE
 
 # KerasHub's own norms (LlamaLayerNorm, Gemma's RMSNormalization, ...) and
 # attention layers (CachedLlamaAttention, ...) are recognized by their class
-# names, as Keras' are by theirs.
+# names, as Keras' are by theirs; so is Qwen 3.5's linear attention (a
+# causal convolution and a recurrence over chunks of the sequence).
 _NORM_CLASS = re.compile(r"(LayerNorm|RMSNorm)(alization)?$")
-_ATTENTION_CLASS = re.compile(r"Attention$")
+_SEQUENCE_MIXING_CLASS = re.compile(r"(Attention|GatedDeltaNet)$")
 _EMBEDDING_CLASS = re.compile(r"Embedding$")
 
 
@@ -88,10 +92,12 @@ def gradient_whole_over_sequence(outputs: tf.Tensor, whole: Callable[[tf.Tensor]
 
 
 def gathers_sequence(layer: Any) -> bool:
-    """Whether `layer` reads its inputs' sequence whole: an attention layer.
-    DTensor would otherwise carry the split into its heads, whose transposes
-    it cannot move (KerasHub's Llama attention); Megatron gathers there too."""
-    return any(_ATTENTION_CLASS.search(cls.__name__) for cls in type(layer).__mro__)
+    """Whether `layer` reads its inputs' sequence whole: an attention layer,
+    or a linear attention. DTensor would otherwise carry the split into its
+    heads, whose transposes it cannot move (KerasHub's Llama attention), or
+    into the padded and chunked sequence a linear attention's convolution
+    and recurrence take; Megatron gathers there too."""
+    return any(_SEQUENCE_MIXING_CLASS.search(cls.__name__) for cls in type(layer).__mro__)
 
 
 def sequence_axes(
