@@ -119,8 +119,25 @@ def explain(error: tf.errors.OpError, model: Any) -> ValueError:
     return ValueError(
         f"tfmp: DTensor cannot run op {op!r} {where} of model {model.name!r} on the "
         f"mesh: {cause}{chr(10) + 'Its variables and their layouts:' + listed if listed else ''}\n"
-        f"{_fix(cause)}"
+        f"{_sequence_split_fix(model)}{_fix(cause)}"
     )
+
+
+def _sequence_split_fix(model: Any) -> str:
+    """Where the model's strategy splits sequences, the first thing to try:
+    the models context parallelism cannot yet split fail at their first
+    step with DTensor's errors on ops that no variable's rule decides."""
+    strategy = getattr(model, "distribute_strategy", None)
+    for option in ("context_parallel", "sequence_parallel"):
+        axis = getattr(strategy, f"{option}_axis", None)
+        if axis is not None:
+            return (
+                f"Fix first: {option} splits this model's sequences over mesh axis {axis!r}, "
+                "and DTensor cannot yet follow that split through every model (docs/tensor-parallel.md "
+                f"names those known): train with {option}=False, and if the model then trains, tell "
+                "tfmp's issue tracker which model it is. Else:\n"
+            )
+    return ""
 
 
 def _undivided_batch(cause: str, model: Any) -> tuple[int, str, int] | None:
