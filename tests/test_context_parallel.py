@@ -113,10 +113,10 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     keys, wider than the sequence), the mixtures of experts, Gemma 4's query
     and key norms, unscaled scores and sliding window (8 keys, the
     sequence's length, in the decoder's mask); `layout_map="auto"` on
-    "model". KerasHub's
-    attention layers (`tfmp.lowering.hub_attention`) take the keys a block
-    at a time: no device computes a softmax over every key. GPT-2's drops
-    out its scores (dropout 0.1), so it keeps Keras' softmax."""
+    "model". KerasHub's attention layers (`tfmp.lowering.hub_attention`)
+    take the keys a block at a time: no device computes a softmax over every
+    key. GPT-2's drops out its scores (dropout 0.1), so it keeps Keras'
+    softmax."""
     from hub_backbones import pooled_classifier, pooled_classifier_data
 
     x, y = pooled_classifier_data(name=name)
