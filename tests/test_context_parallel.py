@@ -26,6 +26,23 @@ def context_parallel_strategy(layout_map_fn=megatron_layout_map, **kwargs):
     return tfmp.ModelParallelStrategy(device_mesh, layout_map_fn(device_mesh), **kwargs)
 
 
+def hub_classifier_like_one_device(name: str):
+    """KerasHub's backbone `name` under a pooled classifier, trained under
+    context parallelism with `layout_map="auto"` and on one device (4 steps
+    at batch 4, a last batch of 1): returns the mesh model."""
+    from hub_backbones import pooled_classifier, pooled_classifier_data
+
+    x, y = pooled_classifier_data(name=name)
+    return assert_parity(
+        lambda: pooled_classifier(name),
+        x=x,
+        y=y,
+        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),
+        batch_size=4,
+        steps=4,
+    )
+
+
 def per_device_score_shapes(model, op: str = "Exp") -> set:
     """The shapes of the 4-D outputs of attention's `op` (by default the
     exponentiated scores; "Softmax" for Keras' own) on each device, in the
@@ -117,17 +134,7 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     take the keys a block at a time: no device computes a softmax over every
     key. GPT-2's drops out its scores (dropout 0.1), so it keeps Keras'
     softmax."""
-    from hub_backbones import pooled_classifier, pooled_classifier_data
-
-    x, y = pooled_classifier_data(name=name)
-    model = assert_parity(
-        lambda: pooled_classifier(name),
-        x=x,
-        y=y,
-        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),
-        batch_size=4,
-        steps=4,
-    )
+    model = hub_classifier_like_one_device(name)
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
     assert any(re.search("attention|attn", path) for path in laid_out), laid_out
     assert all(axes == SPLIT for _, axes in laid_out.values())
@@ -147,17 +154,7 @@ def test_keras_hub_linear_attention_with_context_parallelism_matches_one_device(
     over chunks of the sequence, in its first layer) computes with the
     sequence whole and lays its output out split; its full attention layer
     (the second) takes the keys a block at a time."""
-    from hub_backbones import pooled_classifier, pooled_classifier_data
-
-    x, y = pooled_classifier_data()
-    model = assert_parity(
-        lambda: pooled_classifier("Qwen3_5Backbone"),
-        x=x,
-        y=y,
-        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),
-        batch_size=4,
-        steps=4,
-    )
+    model = hub_classifier_like_one_device("Qwen3_5Backbone")
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
     assert {"transformer_layer_0/linear_attn", "transformer_layer_1/self_attention"} <= set(laid_out), laid_out
     assert all(axes == SPLIT for _, axes in laid_out.values())
