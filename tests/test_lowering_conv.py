@@ -371,6 +371,63 @@ def test_convolutions_run_natively_where_cheap_and_match_one_device(shape, layou
     assert set(kernels) == natively
 
 
+def build_max_pools() -> keras.Model:
+    """Max poolings of every rank, channels last and first, same and valid
+    padding, strided and not, between convs whose filters and input
+    channels may be split."""
+    layers = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((6, 6, 4)),
+            layers.Conv2D(8, 3, padding="same", activation="relu", name="filters"),
+            layers.MaxPooling2D(2),
+            layers.Conv2D(8, 1, name="channels"),
+            layers.MaxPooling2D(2, strides=1, padding="same", data_format="channels_first"),
+            layers.Reshape((3, 3, 8, 1)),
+            layers.MaxPooling3D(2, padding="same"),
+            layers.Reshape((16, 1)),
+            layers.MaxPooling1D(3, strides=2, padding="same"),
+            layers.Flatten(),
+            layers.Dense(3, name="out"),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "shape, batch_size, layout_map_fn",
+    [
+        ((8, 1), 8, None),
+        ((1, 1), 4, None),
+        ((2, 4), 4, rules({"filters/kernel": FILTERS, "filters/bias": ("model",), "channels/kernel": CHANNELS})),
+    ],
+    ids=["8x1", "1x1", "2x4-filters-then-channels-split"],
+)
+def test_max_pooling_runs_natively_on_the_batch_split(shape, batch_size, layout_map_fn, monkeypatch):
+    """A 1-D or 2-D max pooling runs Keras' own MaxPool on its input pinned
+    to the batch split, its channels gathered where a conv split them
+    (2x4: filters split before the first pooling, input channels after
+    it); a 3-D pooling runs over the window's taps (its ties, repeated by
+    the stride-1 pooling before it, `MaxPool3DGrad` breaks otherwise on the
+    mesh). 13 rows end with a batch that divides by no batch axis of more
+    than one device (5 at batch 8, 1 at batch 4), run whole on every
+    device."""
+    from tfmp.lowering import pooling
+
+    native_inputs = []
+    native_max_pool = pooling._native_max_pool
+
+    def counted(x, *args):
+        native_inputs.append(tuple(x.shape[1:]))
+        return native_max_pool(x, *args)
+
+    monkeypatch.setattr(pooling, "_native_max_pool", counted)
+    x, y = data((6, 6, 4), samples=13)
+    steps = -(-13 // batch_size)
+    assert_parity(build_max_pools, layout_map_fn, x, y, mesh_shape=shape, steps=steps, batch_size=batch_size)
+    # The 2-D poolings and the 1-D one, each traced for whole batches and the last one.
+    assert set(native_inputs) == {(6, 6, 8), (3, 3, 8), (16, 1)}
+
+
 def build_1d() -> keras.Model:
     layers = keras.layers
     return keras.Sequential(

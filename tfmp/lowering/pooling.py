@@ -1,7 +1,18 @@
-"""Max pooling as elementwise ops over the window's taps.
+"""Max pooling as Keras' own op on the batch split, or, in 3-D, as
+elementwise ops over the window's taps.
 
-DTensor expands `MaxPool` for a batch split only, so a max pooling after a
-conv split over its filters fails. Written over the window's taps,
+DTensor expands `MaxPool` and `MaxPoolGrad` for a batch split only, so a
+max pooling after a conv split over its filters fails as it stands. A 1-D
+or 2-D pooling runs Keras' own on its input pinned to the batch split
+(channels gathered where a conv split them), its gradient pinned so too:
+two ops where the taps take a slice, a maximum and a select each, measured
+0.63-0.87x the step time of the taps on 2x4 and 1x8 meshes, channels split
+or not, the gather included (docs/performance.md). The pooled output leaves
+with its channels whole, the layout a conv split over its filters reads.
+
+A 3-D pooling keeps the taps: on the mesh, `MaxPool3DGrad` sent a tie's
+gradient elsewhere than on one device (after a stride-1 pooling, whose
+windows repeat maxima). Written over the window's taps,
 
     y = max over taps t of x shifted by t
 
@@ -21,8 +32,14 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend import standardize_data_format
 
-from tfmp.lowering.taps import Pinning, Taps, axis_plan, per_axis
-from tfmp.lowering.registry import Lowering
+from tfmp.forward import BACKWARD_SCOPE
+from tfmp.lowering.taps import SPATIAL_LETTERS, Pinning, Taps, axis_plan, per_axis
+from tfmp.lowering.registry import Lowering, keras_original
+
+_KERAS_NN = "keras.src.backend.tensorflow.nn"
+# The input ranks of the poolings Keras' own op runs (1-D and 2-D); the
+# others sum over taps. bench/native_pool.py empties it to time the taps.
+NATIVE_INPUT_RANKS = (3, 4)
 
 
 def max_pool(
@@ -32,8 +49,8 @@ def max_pool(
     padding: str = "valid",
     data_format: str | None = None,
 ) -> tf.Tensor:
-    """`keras.src.backend.tensorflow.nn.max_pool` as a maximum over the
-    window's taps.
+    """`keras.src.backend.tensorflow.nn.max_pool` as Keras' own on the
+    batch split (1-D, 2-D), or as a maximum over the window's taps (3-D).
 
     Args:
         inputs: `(batch, *spatial, channels)`, or channels first.
@@ -46,6 +63,11 @@ def max_pool(
         The pooled tensor, in `data_format`.
     """
 
+    x = tf.convert_to_tensor(inputs)
+    pinning = Pinning.current(x, {})
+    if x.shape.rank in NATIVE_INPUT_RANKS:
+        return _native_max_pool(x, pinning, pool_size, strides, padding, data_format)
+
     def pool(x: tf.Tensor, taps: Taps) -> tf.Tensor:
         inside = _inside(taps, x.dtype)
         lowest = tf.constant(x.dtype.min, x.dtype)
@@ -56,11 +78,45 @@ def max_pool(
             y = tf.maximum(y, window)  # a tie keeps `y`: the earlier tap
         return y
 
-    return _pooled(inputs, pool_size, strides, padding, data_format, pool)
+    return _pooled(x, pool_size, strides, padding, data_format, pool)
+
+
+def _native_max_pool(
+    x: tf.Tensor,
+    pinning: Pinning,
+    pool_size: Any,
+    strides: Any,
+    padding: str,
+    data_format: str | None,
+) -> tf.Tensor:
+    """Keras' own max pooling of `x` pinned to its batch split, with the
+    gradient pinned so too before `MaxPoolGrad` (which DTensor expands on
+    that layout) and after it, as the native convolution's
+    (`tfmp.lowering.conv`)."""
+    spatial = SPATIAL_LETTERS[-(x.shape.rank - 2) :]
+    channels_first = standardize_data_format(data_format) == "channels_first"
+    letters = f"nc{spatial}" if channels_first else f"n{spatial}c"
+    keras_max_pool = keras_original(_KERAS_NN, "max_pool")
+
+    @tf.custom_gradient
+    def native(x: tf.Tensor):
+        x = tf.stop_gradient(pinning.pin(x, letters))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = keras_max_pool(x, pool_size, strides, padding, data_format)
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            with tf.name_scope(BACKWARD_SCOPE):
+                dx = tape.gradient(y, x, output_gradients=pinning.pin(dy, letters))
+                return pinning.pin(dx, letters)
+
+        return pinning.pin(y, letters), grad
+
+    return native(x)
 
 
 def _pooled(
-    inputs: Any,
+    inputs: tf.Tensor,
     pool_size: Any,
     strides: Any,
     padding: str,
@@ -68,7 +124,7 @@ def _pooled(
     pool: Callable[[tf.Tensor, Taps], tf.Tensor],
 ) -> tf.Tensor:
     """`pool` applied channels last to the taps of `inputs`' windows."""
-    x = tf.convert_to_tensor(inputs)
+    x = inputs
     rank = x.shape.rank - 2
     channels_first = standardize_data_format(data_format) == "channels_first"
     if channels_first:
@@ -102,7 +158,7 @@ def _outer(vectors: list[np.ndarray]) -> np.ndarray:
 
 LOWERINGS: tuple[Lowering, ...] = (
     Lowering(
-        "keras.src.backend.tensorflow.nn",
+        _KERAS_NN,
         "max_pool",
         max_pool,
         "MaxPool expands a batch split only: channels split by a conv's filters fail",
