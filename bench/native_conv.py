@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 import step_times  # noqa: E402
 
 import tfmp  # noqa: E402
+from tfmp.forward import compute_specs  # noqa: E402
 from tfmp.lowering import conv as conv_lowering  # noqa: E402
 
 BATCH = 32
@@ -92,7 +93,7 @@ def _tfmp_ways(model: keras.Model, threshold: float) -> str:
     for layer in model.layers:
         if isinstance(layer, (keras.layers.Conv2D, keras.layers.Conv2DTranspose)):
             mesh = layer.kernel._value.compute_layout.mesh
-            specs = conv_lowering._kernel_specs(layer.kernel)
+            specs = compute_specs(layer.kernel)
             channels = "fc" if isinstance(layer, keras.layers.Conv2DTranspose) else "cf"
             work = conv_lowering._gathered_work_per_moved_element(layer.kernel.shape, specs, mesh, channels)
             ways.append(f"{layer.name} {'natively' if work <= threshold else 'by taps'} ({work:.0f})")

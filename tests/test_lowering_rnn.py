@@ -237,6 +237,48 @@ def test_weights_gradient_is_reduced_over_the_batch_once_per_step(layer, gates, 
         assert _batch_collectives_in_loops(fit())
 
 
+def build_gate_wise() -> keras.Model:
+    """Keras' gate-wise cells (implementation 2) of every kind: a GRU with
+    its reset gate after the product and input dropout, one with it before
+    the product running backwards, an LSTM with input dropout, a masked
+    sequence through all three."""
+    tokens = keras.Input((SEQ * 2,), dtype="int32")
+    x = keras.layers.Embedding(10, 4, mask_zero=True, name="embedding")(tokens)
+    x = keras.layers.GRU(4, dropout=0.25, return_sequences=True, name="gru_after")(x)
+    x = keras.layers.GRU(4, reset_after=False, go_backwards=True, return_sequences=True, name="gru_before")(x)
+    x = keras.layers.LSTM(4, dropout=0.25, name="lstm")(x)
+    return keras.Model(tokens, keras.layers.Dense(2, name="head")(x))
+
+
+def test_lstm_and_gru_split_on_gate_units_run_gate_by_gate(monkeypatch):
+    """With its gate units split over "model" (`layout_map="auto"`), each
+    recurrence runs gate by gate (`tfmp.lowering.rnn_gates`): a device
+    computes its units of every gate, and a time step gathers the previous
+    output once going forward and once again going backward, and reduces
+    its gradient once: three collectives a step where the gate-straddling
+    cuts of Keras' cells took six (a GRU's). Masked sequences, 25 rows at
+    batch 8 on 2x4 (a last batch of 1)."""
+    from tfmp.lowering import rnn_gates
+
+    gate_wise = []
+    recurrence = rnn_gates.gate_wise_recurrence
+
+    def recorded(step_function, cell, *args):
+        gate_wise.append(cell.name)
+        return recurrence(step_function, cell, *args)
+
+    monkeypatch.setattr(rnn_lowering, "gate_wise_recurrence", recorded)
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(1, 10, size=(25, SEQ * 2)).astype("int32")
+    tokens[::3, 4:] = 0
+    y = rng.normal(size=(25, 2)).astype("float32")
+    model = assert_parity(build_gate_wise, lambda mesh: "auto", tokens, y, steps=4, batch_size=8)
+    assert set(gate_wise) == {"gru_cell", "lstm_cell"} and len(gate_wise) >= 3
+    collectives = tfmp.comm_report(model, print_fn=lambda text: None).collectives
+    in_loops = [c for c in collectives if "while/" in c.op]
+    assert len(in_loops) == 3 * 3, [c.op for c in in_loops]
+
+
 @pytest.mark.parametrize("layer", [keras.layers.GRU, _gru_with_dropout], ids=["gru", "gru_dropout"])
 def test_one_device_mesh_takes_the_weights_gradient_in_the_backward_loop(layer, monkeypatch):
     """On a one-device mesh nothing is all-reduced, so a GRU's weights

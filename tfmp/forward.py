@@ -45,6 +45,14 @@ REPLICATED_SCOPE = "tfmp_replicated_"
 BACKWARD_SCOPE = "gradient_tape"
 
 
+def compute_specs(weight: Any) -> tuple[str, ...] | None:
+    """How a tfmp variable (or the Keras variable around one) is split in
+    the forward pass (its compute layout's specs); None for any other value."""
+    variable = getattr(weight, "_value", weight)  # a Keras variable's backend variable
+    layout = getattr(variable, "compute_layout", None)
+    return None if layout is None else tuple(layout.sharding_specs)
+
+
 def forward_on(mesh: dtensor.Mesh | None) -> contextlib.AbstractContextManager:
     """A layer's forward pass on `mesh` is traced in the block (None: on no mesh)."""
     return scoped(forward_mesh=mesh)

@@ -30,7 +30,7 @@ from keras.src.backend.tensorflow import sparse as keras_sparse
 from keras.src.backend.tensorflow.core import convert_to_tensor as keras_tensor
 from tensorflow.experimental import dtensor
 
-from tfmp.forward import BACKWARD_SCOPE, forward_mesh
+from tfmp.forward import BACKWARD_SCOPE, compute_specs, forward_mesh
 from tfmp.lowering.registry import Lowering, keras_original
 from tfmp.lowering.taps import (
     SPATIAL_LETTERS,
@@ -87,7 +87,7 @@ def conv(
                 lambda x, k: keras_conv(x, k, strides, padding, "channels_last", dilation_rate),
                 inputs,
                 kernel_tensor,
-                _kernel_specs(kernel),
+                compute_specs(kernel),
                 pinning,
                 "cf",
             )
@@ -111,7 +111,7 @@ def _runs_natively(kernel: Any, pinning: Pinning, data_format: str | None, chann
     taps moves (`_gathered_work_per_moved_element`). `channels` names the
     kernel's last two dimensions: "cf" (input channels, filters) for a
     convolution, "fc" for a transposed one."""
-    specs = _kernel_specs(kernel)
+    specs = compute_specs(kernel)
     return (
         specs is not None
         and pinning.mesh is not None
@@ -284,7 +284,7 @@ def conv_transpose(
             lambda x, k: keras_conv_transpose(x, k, strides, padding, output_padding, "channels_last", dilation_rate),
             x,
             kernel_tensor,
-            _kernel_specs(kernel),
+            compute_specs(kernel),
             pinning,
             "fc",
         )
@@ -305,14 +305,6 @@ def _tensors(inputs: Any, kernel: Any, function: str) -> tuple[tf.Tensor, tf.Ten
     return inputs, tf.convert_to_tensor(kernel, inputs.dtype)
 
 
-def _kernel_specs(kernel: Any) -> tuple[str, ...] | None:
-    """How a tfmp variable (or the Keras variable around one) is split in
-    the forward pass; None for any other kernel."""
-    variable = getattr(kernel, "_value", kernel)  # a Keras variable's backend variable
-    layout = getattr(variable, "compute_layout", None)
-    return None if layout is None else tuple(layout.sharding_specs)
-
-
 def _kernel_channels(kernel: Any, letters: str) -> dict[str, str]:
     """`letters` (the kernel's last dimensions) -> how the kernel splits them.
 
@@ -320,7 +312,7 @@ def _kernel_channels(kernel: Any, letters: str) -> dict[str, str]:
     nothing: its channels are pinned whole, which is correct, if not the
     least communication.
     """
-    specs = _kernel_specs(kernel) or (dtensor.UNSHARDED,) * len(letters)
+    specs = compute_specs(kernel) or (dtensor.UNSHARDED,) * len(letters)
     return dict(zip(letters, specs[-len(letters) :]))
 
 

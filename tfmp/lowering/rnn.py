@@ -12,8 +12,9 @@ cannot run again in the gradient (it draws random numbers, changes a
 variable, reads a tensor whose gradient is taken) or a dimension other than
 time is unknown when traced, tfmp unrolls it over its static time steps
 (Keras' own `unroll=True` path: unstack, Python loop, stack). LSTM and GRU
-stay on that generic path, a sequence run backwards is reversed with a
-gather of reversed indices (`ReverseV2` has no layout rule), and splits are
+stay on that generic path; where their gate units are split over the mesh,
+their step runs gate by gate (`tfmp.lowering.rnn_gates`). A sequence run
+backwards is reversed with a gather of reversed indices (`ReverseV2` has no layout rule), and splits are
 slices. A TensorArray a layer fills in a Python loop is a list of tensors on
 a mesh.
 """
@@ -36,6 +37,7 @@ from keras.src.backend.tensorflow.core import convert_to_tensor
 from tfmp.forward import forward_mesh
 from tfmp.integrations import Patch
 from tfmp.lowering.registry import Lowering, keras_original
+from tfmp.lowering.rnn_gates import gate_split_axis, gate_wise_recurrence, units_whole
 from tfmp.lowering.rnn_loop import looped_rnn
 
 _BACKEND = "keras.src.backend"
@@ -95,18 +97,32 @@ def rnn(
         # order; running forward over reversed inputs and mask avoids that.
         inputs = tree.map_structure(lambda t: _reversed(convert_to_tensor(t), time_axis), inputs)
         mask = None if mask is None else _reversed(convert_to_tensor(mask), time_axis)
+    cells = _row_wise_cells(step_function)
+    looped_step, looped_inputs, by_gate = step_function, inputs, []
+    # Gate by gate where the number of time steps is known when traced: over
+    # an unknown number, DTensor failed the gradient of the kernels' relayout
+    # ("output layout of Relayout op after layout propagation does not match").
+    by_gates = cells and len(cells) == 1 and not (symbolic or time_major) and time_steps is not None
+    axis = gate_split_axis(cells[0]) if by_gates else None
+    gate_wise = None if axis is None else gate_wise_recurrence(step_function, cells[0], axis, inputs)
+    if gate_wise is not None:
+        looped_step, looped_inputs, by_gate = gate_wise
     looped = None if symbolic else looped_rnn(
-        step_function,
-        inputs,
+        looped_step,
+        looped_inputs,
         initial_states,
         mask,
-        list(constants or []),
+        list(constants or []) + by_gate,
         time_major,
         zero_output_for_mask,
         return_all_outputs,
-        row_wise_cells=_row_wise_cells(step_function),
+        row_wise_cells=cells,
         devices=getattr(forward_mesh(), "size", 1),
     )
+    if looped is not None and gate_wise is not None:
+        last_output, outputs, states = looped
+        whole = functools.partial(units_whole, axis=axis)
+        return whole(last_output), whole(outputs), tree.map_structure(whole, states)
     if looped is not None:
         return looped
     if time_steps is None:
