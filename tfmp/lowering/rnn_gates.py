@@ -98,7 +98,7 @@ def gate_wise_recurrence(
         return None
     kernel, recurrent_kernel, *bias = _by_gate_layout(cell, axis)
     if training and 0.0 < cell.dropout < 1.0:
-        mask = cell.get_dropout_mask(None)  # drawn before the loop by Keras' RNN
+        mask = cell.get_dropout_mask(inputs[:, 0])  # Keras' RNN draws it before the loop
         inputs = inputs * tf.expand_dims(mask, 1)
     projected = tf.einsum("bti,igu->btgu", inputs, kernel)
     if type(cell) is keras.layers.LSTMCell:
