@@ -6,8 +6,8 @@ max pooling after a conv split over its filters fails as it stands. A 1-D
 or 2-D pooling runs Keras' own on its input pinned to the batch split
 (channels gathered where a conv split them), its gradient pinned so too:
 two ops where the taps take a slice, a maximum and a select each, measured
-0.63-0.87x the step time of the taps on 2x4 and 1x8 meshes, channels split
-or not, the gather included (docs/performance.md). The pooled output leaves
+0.26-0.89x the step time of the taps on 8x1, 2x4 and 1x8 meshes, channels
+split or not, the gather included (docs/performance.md). The pooled output leaves
 with its channels whole, the layout a conv split over its filters reads.
 
 A 3-D pooling keeps the taps: on the mesh, `MaxPool3DGrad` sent a tie's

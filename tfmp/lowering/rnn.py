@@ -14,9 +14,9 @@ time is unknown when traced, tfmp unrolls it over its static time steps
 (Keras' own `unroll=True` path: unstack, Python loop, stack). LSTM and GRU
 stay on that generic path; where their gate units are split over the mesh,
 their step runs gate by gate (`tfmp.lowering.rnn_gates`). A sequence run
-backwards is reversed with a gather of reversed indices (`ReverseV2` has no layout rule), and splits are
-slices. A TensorArray a layer fills in a Python loop is a list of tensors on
-a mesh.
+backwards is reversed with a gather of reversed indices (`ReverseV2` has no
+layout rule), and splits are slices. A TensorArray a layer fills in a
+Python loop is a list of tensors on a mesh.
 """
 
 from __future__ import annotations
