@@ -55,6 +55,7 @@ class FirstStepGraphs:
         self._collecting = False
         metadata = context.export_run_metadata()
         context.disable_graph_collection()
+        context.disable_run_metadata()
         if metadata is not None:
             captured = [graph for graph in metadata.function_graphs if graph.partition_graphs]
             note_replicated_ops(captured)
@@ -62,8 +63,8 @@ class FirstStepGraphs:
         self._has_train_step = any(map(is_train_step, self.function_graphs))
 
     def _start(self) -> None:
-        # Graph collection alone: nothing reads run metadata's per-op step stats.
         self._collecting = True
+        context.enable_run_metadata()
         context.enable_graph_collection()
 
 
