@@ -53,6 +53,25 @@ def compute_specs(weight: Any) -> tuple[str, ...] | None:
     return None if layout is None else tuple(layout.sharding_specs)
 
 
+def relayout_with_gradient(value: tf.Tensor, layout: dtensor.Layout, gradient_layout: dtensor.Layout) -> tf.Tensor:
+    """`value` in `layout`; its gradient in `gradient_layout`.
+
+    Autodiff would relayout the gradient "like" the value, a layout DTensor
+    infers, and then fails to meet ("output layout of Relayout op after layout
+    propagation does not match").
+    """
+
+    @tf.custom_gradient
+    def relayout(value: tf.Tensor):
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            with tf.name_scope(BACKWARD_SCOPE):
+                return dtensor.relayout(dy, gradient_layout)
+
+        return dtensor.relayout(value, layout), grad
+
+    return relayout(value)
+
+
 def forward_on(mesh: dtensor.Mesh | None) -> contextlib.AbstractContextManager:
     """A layer's forward pass on `mesh` is traced in the block (None: on no mesh)."""
     return scoped(forward_mesh=mesh)

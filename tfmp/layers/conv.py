@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfmp.forward import BACKWARD_SCOPE, batch_spec
+from tfmp.forward import batch_spec, relayout_with_gradient
 from tfmp.layers.declaring import DeclaresLayouts
 from tfmp.layout import Axes
 from tfmp.lowering.conv import conv
@@ -100,7 +100,7 @@ class ParallelConv2D(DeclaresLayouts, keras.layers.Conv2D):
         outputs = conv(inputs, kernel, self.strides, self.padding, self.data_format, self.dilation_rate)
         if self.split == "spatial" and outputs.shape[1] % mesh.dim_size(self.axis) == 0:
             batch = batch_spec(inputs, mesh, self.axis)
-            outputs = _relayout(outputs, _layout(mesh, batch, self.axis), _layout(mesh, batch))
+            outputs = relayout_with_gradient(outputs, _layout(mesh, batch, self.axis), _layout(mesh, batch))
         return outputs
 
     def _warn_gather(self) -> None:
@@ -124,20 +124,3 @@ def _layout(mesh: dtensor.Mesh, batch: str, height: str = dtensor.UNSHARDED) -> 
     return dtensor.Layout(specs, mesh)
 
 
-def _relayout(value: tf.Tensor, layout: dtensor.Layout, gradient_layout: dtensor.Layout) -> tf.Tensor:
-    """`value` in `layout`; its gradient in `gradient_layout`.
-
-    Autodiff would relayout the gradient "like" the value, a layout DTensor
-    infers, and then fails to meet ("output layout of Relayout op after layout
-    propagation does not match").
-    """
-
-    @tf.custom_gradient
-    def relayout(value: tf.Tensor):
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            with tf.name_scope(BACKWARD_SCOPE):
-                return dtensor.relayout(dy, gradient_layout)
-
-        return dtensor.relayout(value, layout), grad
-
-    return relayout(value)

@@ -35,8 +35,7 @@ import tensorflow as tf
 from keras.src import tree
 from tensorflow.experimental import dtensor
 
-from tfmp.forward import batch_spec, compute_specs, forward_mesh
-from tfmp.layout import replicated
+from tfmp.forward import BACKWARD_SCOPE, batch_spec, compute_specs, forward_mesh, relayout_with_gradient
 
 # Keras' cells that run gate by gate, and their gates.
 GATES = {keras.layers.LSTMCell: 4, keras.layers.GRUCell: 3}
@@ -124,20 +123,21 @@ def gate_wise_recurrence(
 def units_whole(value: tf.Tensor, axis: str) -> tf.Tensor:
     """A gate-wise recurrence's output or state (batch first, units last),
     gathered over `axis` as Keras' cell computed it on every device; its
-    gradient is cut back to each device's units. Both layouts are explicit:
-    left to DTensor, a gradient through a later gathered op (a reversal in
-    `Bidirectional`) failed its layout propagation ("output layout of
-    Relayout op after layout propagation does not match")."""
+    gradient is cut back to each device's units. Both sides of both
+    relayouts are explicit: left to DTensor, a gradient through a later
+    gathered op (the reversal in `Bidirectional`) failed its layout
+    propagation ("output layout of Relayout op after layout propagation does
+    not match")."""
     mesh = forward_mesh()
-    batch = batch_spec(value, mesh, other_axis=axis)
-    middle = [dtensor.UNSHARDED] * (value.shape.rank - 2)
-    whole = dtensor.Layout([batch, *middle, dtensor.UNSHARDED], mesh)
-    split = dtensor.Layout([batch, *middle, axis], mesh)
+    specs = [batch_spec(value, mesh, other_axis=axis)] + [dtensor.UNSHARDED] * (value.shape.rank - 2)
+    whole = dtensor.Layout([*specs, dtensor.UNSHARDED], mesh)
+    split = dtensor.Layout([*specs, axis], mesh)
 
     @tf.custom_gradient
     def gathered(value: tf.Tensor) -> tf.Tensor:
         def gradient(upstream: tf.Tensor) -> tf.Tensor:
-            return dtensor.relayout(dtensor.relayout(upstream, whole), split)
+            with tf.name_scope(BACKWARD_SCOPE):
+                return dtensor.relayout(dtensor.relayout(upstream, whole), split)
 
         return dtensor.relayout(dtensor.relayout(value, split), whole), gradient
 
@@ -150,28 +150,22 @@ def _weights(cell: Any) -> list[Any]:
 
 def _by_gate_layout(cell: Any, axis: str) -> list[tf.Tensor]:
     """`cell`'s kernel, recurrent kernel and bias (where it has one), each
-    with its columns as `(gates, units)` and the units split over `axis`."""
+    with its columns as `(gates, units)` and the units split over `axis`.
+    Gathered whole, reshaped and cut again (its columns are split over
+    `axis` alone), with the gradient's layouts explicit: DTensor's own
+    failed where a layer ran twice on its weights ("output layout of
+    Relayout op after layout propagation does not match")."""
     mesh = forward_mesh()
     gates = GATES[type(cell)]
 
     def by_gate(weight: Any) -> tf.Tensor:
-        read_layout = dtensor.Layout(list(compute_specs(weight)), mesh)
-
-        # The gradient laid out explicitly: DTensor's own gradient of the
-        # relayouts failed where a layer ran twice on its weights ("output
-        # layout of Relayout op after layout propagation does not match").
-        @tf.custom_gradient
-        def relaid(value: tf.Tensor) -> tf.Tensor:
-            shaped = tf.reshape(replicated(value, mesh), [*value.shape[:-1], gates, cell.units])
-            specs = [dtensor.UNSHARDED] * (shaped.shape.rank - 1) + [axis]
-
-            def gradient(upstream: tf.Tensor) -> tf.Tensor:
-                whole = tf.reshape(replicated(upstream, mesh), value.shape)
-                return dtensor.relayout(whole, read_layout)
-
-            return dtensor.relayout(shaped, dtensor.Layout(specs, mesh)), gradient
-
-        return relaid(tf.convert_to_tensor(weight))
+        value = tf.convert_to_tensor(weight)
+        rank = value.shape.rank
+        read = dtensor.Layout(list(compute_specs(weight)), mesh)
+        whole = relayout_with_gradient(value, dtensor.Layout.replicated(mesh, rank), read)
+        shaped = tf.reshape(whole, [*value.shape[:-1], gates, cell.units])
+        split = dtensor.Layout([dtensor.UNSHARDED] * rank + [axis], mesh)
+        return relayout_with_gradient(shaped, split, dtensor.Layout.replicated(mesh, rank + 1))
 
     return [by_gate(weight) for weight in _weights(cell)]
 
