@@ -117,7 +117,7 @@ def main() -> None:
                 case = f"{filters} filters, kernels {kernels}, {shape[0]}x{shape[1]}"
                 print(f"{case}: tfmp runs {_tfmp_ways(_model(shape, kernels, filters), threshold)}", flush=True)
                 times = {}
-                for way in ("native", "taps", "native again"):
+                for way in step_times.WAYS:
                     conv_lowering.GATHERED_WORK_PER_MOVED_ELEMENT = -1 if way == "taps" else math.inf
                     times[way] = step_times.first_and_later_step(_model(shape, kernels, filters), x, y, BATCH)
                     print(
@@ -126,13 +126,7 @@ def main() -> None:
                         flush=True,
                     )
                 conv_lowering.GATHERED_WORK_PER_MOVED_ELEMENT = threshold
-                for way in ("native", "native again"):
-                    for index, measure in enumerate(("first step", "later step")):
-                        print(
-                            f'RESULT measure="convnet {case}, {measure}: taps / {way}" '
-                            f"ratio={times['taps'][index] / times[way][index]:.2f}",
-                            flush=True,
-                        )
+                step_times.print_taps_over_native(f"convnet {case}", times)
 
 
 if __name__ == "__main__":

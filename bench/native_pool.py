@@ -90,7 +90,7 @@ def main() -> None:
             for shape in MESHES[kernels]:
                 case = f"{filters} filters, kernels {kernels}, {shape[0]}x{shape[1]}"
                 times = {}
-                for way in ("native", "taps", "native again"):
+                for way in step_times.WAYS:
                     pooling.NATIVE_INPUT_RANKS = () if way == "taps" else native_ranks
                     model = _model(shape, kernels, filters, options.image)
                     times[way] = step_times.first_and_later_step(model, x, y, BATCH)
@@ -101,13 +101,7 @@ def main() -> None:
                         flush=True,
                     )
                 pooling.NATIVE_INPUT_RANKS = native_ranks
-                for way in ("native", "native again"):
-                    for index, measure in enumerate(("first step", "later step")):
-                        print(
-                            f'RESULT measure="max pooling {case}, {measure}: native / taps" '
-                            f"ratio={times[way][index] / times['taps'][index]:.2f}",
-                            flush=True,
-                        )
+                step_times.print_taps_over_native(f"max pooling {case}", times)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,20 @@ def first_and_later_step(model: keras.Model, x: np.ndarray, y: np.ndarray, batch
     batch_ends = _BatchEnds()
     model.fit(x, y, batch_size=batch_size, verbose=0, callbacks=[batch_ends])
     return first, float(np.median(np.diff(batch_ends.times)))
+
+
+# The order a benchmark of a lowering's two ways runs them: the native way
+# first and last, bracketing the machine's drift.
+WAYS = ("native", "taps", "native again")
+
+
+def print_taps_over_native(measure: str, times: dict[str, tuple[float, float]]) -> None:
+    """RESULT lines of the taps' first and later step over each native run's
+    (`times`: `first_and_later_step` of each of `WAYS`)."""
+    for way in ("native", "native again"):
+        for index, step in enumerate(("first step", "later step")):
+            print(
+                f'RESULT measure="{measure}, {step}: taps / {way}" '
+                f"ratio={times['taps'][index] / times[way][index]:.2f}",
+                flush=True,
+            )
