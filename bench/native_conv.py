@@ -116,18 +116,21 @@ def main() -> None:
             for shape in MESHES[kernels]:
                 case = f"{filters} filters, kernels {kernels}, {shape[0]}x{shape[1]}"
                 print(f"{case}: tfmp runs {_tfmp_ways(_model(shape, kernels, filters), threshold)}", flush=True)
-                times = {}
-                for way in step_times.WAYS:
-                    conv_lowering.GATHERED_WORK_PER_MOVED_ELEMENT = -1 if way == "taps" else math.inf
-                    times[way] = step_times.first_and_later_step(_model(shape, kernels, filters), x, y, BATCH)
-                    print(
-                        f"{case}, {way}: first step {times[way][0]:.2f} s, "
-                        f"later steps {times[way][1] * 1000:.1f} ms",
-                        flush=True,
-                    )
+                step_times.compare_ways(
+                    f"convnet {case}",
+                    case,
+                    _use,
+                    lambda: _model(shape, kernels, filters),
+                    x,
+                    y,
+                    BATCH,
+                )
                 conv_lowering.GATHERED_WORK_PER_MOVED_ELEMENT = threshold
-                step_times.print_taps_over_native(f"convnet {case}", times)
 
+
+def _use(way: str) -> None:
+    """Every convolution by taps, or natively wherever possible."""
+    conv_lowering.GATHERED_WORK_PER_MOVED_ELEMENT = -1 if way == "taps" else math.inf
 
 if __name__ == "__main__":
     main()

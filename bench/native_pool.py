@@ -89,20 +89,21 @@ def main() -> None:
         for kernels in options.kernels:
             for shape in MESHES[kernels]:
                 case = f"{filters} filters, kernels {kernels}, {shape[0]}x{shape[1]}"
-                times = {}
-                for way in step_times.WAYS:
-                    pooling.NATIVE_INPUT_RANKS = () if way == "taps" else native_ranks
-                    model = _model(shape, kernels, filters, options.image)
-                    times[way] = step_times.first_and_later_step(model, x, y, BATCH)
-                    loss = float(model.evaluate(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0))
-                    print(
-                        f"{case}, {way}: first step {times[way][0]:.2f} s, "
-                        f"later steps {times[way][1] * 1000:.1f} ms, loss after {loss:.6f}",
-                        flush=True,
-                    )
+                step_times.compare_ways(
+                    f"max pooling {case}",
+                    case,
+                    lambda way: setattr(pooling, "NATIVE_INPUT_RANKS", () if way == "taps" else native_ranks),
+                    lambda: _model(shape, kernels, filters, options.image),
+                    x,
+                    y,
+                    BATCH,
+                    describe=lambda model: f"loss after {_loss(model, x, y):.6f}",
+                )
                 pooling.NATIVE_INPUT_RANKS = native_ranks
-                step_times.print_taps_over_native(f"max pooling {case}", times)
 
+
+def _loss(model: keras.Model, x: np.ndarray, y: np.ndarray) -> float:
+    return float(model.evaluate(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0))
 
 if __name__ == "__main__":
     main()

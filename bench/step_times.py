@@ -8,6 +8,7 @@ this folder is on `sys.path`: `import step_times`).
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import keras
 import numpy as np
@@ -42,9 +43,31 @@ def first_and_later_step(model: keras.Model, x: np.ndarray, y: np.ndarray, batch
 WAYS = ("native", "taps", "native again")
 
 
-def print_taps_over_native(measure: str, times: dict[str, tuple[float, float]]) -> None:
-    """RESULT lines of the taps' first and later step over each native run's
-    (`times`: `first_and_later_step` of each of `WAYS`)."""
+def compare_ways(
+    measure: str,
+    case: str,
+    use_way: Callable[[str], None],
+    build: Callable[[], keras.Model],
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int,
+    describe: Callable[[keras.Model], str] | None = None,
+) -> dict[str, tuple[float, float]]:
+    """Times a fresh `build()` for each of `WAYS` (`use_way(way)` switches
+    the lowering first), printing each way's steps (and `describe(model)`
+    after training), then RESULT lines of the taps' first and later step
+    over each native run's. Returns the times by way; the caller restores
+    its lowering's setting."""
+    times = {}
+    for way in WAYS:
+        use_way(way)
+        model = build()
+        times[way] = first_and_later_step(model, x, y, batch_size)
+        extra = f", {describe(model)}" if describe else ""
+        print(
+            f"{case}, {way}: first step {times[way][0]:.2f} s, later steps {times[way][1] * 1000:.1f} ms{extra}",
+            flush=True,
+        )
     for way in ("native", "native again"):
         for index, step in enumerate(("first step", "later step")):
             print(
@@ -52,3 +75,4 @@ def print_taps_over_native(measure: str, times: dict[str, tuple[float, float]]) 
                 f"ratio={times['taps'][index] / times[way][index]:.2f}",
                 flush=True,
             )
+    return times
