@@ -267,6 +267,19 @@ def _backward_slice():
     return wrong_values(lambda x: x[:, ::-1] * 1.0, ROWS, specs=[("batch", "model")])
 
 
+@probe("core.slice", "the slice lowering (tfmp/lowering/slicing.py)")
+def _slice_gradient():
+    table = RNG.normal(size=(16, 8)).astype("float32")
+
+    def table_gradient(t, h):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            loss = tf.reduce_sum(tf.slice(t, [2, 0], [4, 8]) * h)
+        return tape.gradient(loss, t)
+
+    return wrong_values(table_gradient, table, ROWS, specs=[(U, U), ("batch", "model")])
+
+
 @probe("nn.average_pool", "the gathering of average_pool's input (tfmp/lowering/replicated.py)")
 def _average_pool():
     return refusal(lambda x: tf.nn.avg_pool2d(x, 2, 2, "VALID"), SPLIT_CHANNELS, says="must be batch parallel")

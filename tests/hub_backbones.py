@@ -479,13 +479,21 @@ BACKBONES: dict[str, Callable[[], Any]] = {
 }
 
 
+# The text backbones with a `segment_ids` input.
+SEGMENTED = ("AlbertBackbone", "BertBackbone", "ElectraBackbone")
+
+
 def pooled_classifier(name: str) -> Any:
-    """The tiny backbone `name` under a mean pooling and a 4-way Dense head:
-    a whole model for `pooled_classifier_data`."""
+    """The tiny backbone `name` under a mean pooling (of its sequence
+    output, where it has several) and a 4-way Dense head: a whole model for
+    `pooled_classifier_data`."""
     import keras
 
     backbone = BACKBONES[name]()
-    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
+    outputs = backbone.output
+    if isinstance(outputs, dict):
+        outputs = outputs["sequence_output"]
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(outputs)
     classifier = keras.layers.Dense(4, name="classifier")(pooled)
     return keras.Model(backbone.input, classifier, name=f"{name.removesuffix('Backbone').lower()}_classifier")
 
@@ -493,11 +501,14 @@ def pooled_classifier(name: str) -> Any:
 def pooled_classifier_data(n: int = 13, name: str = "") -> tuple[dict, Any]:
     """`n` rows of tokens with padding masks (every third row padded) and
     4 regression targets each; for Gemma 4's backbone (`name`), each
-    token's position too."""
+    token's position too, and for the backbones that read segments, one
+    segment."""
     import numpy as np
     from test_keras_interop import token_data
 
     x, _, _ = token_data(n=n)
+    if name in SEGMENTED:
+        x["segment_ids"] = np.zeros_like(x["token_ids"])
     if name == "Gemma4Backbone":
         x["position_ids"] = np.broadcast_to(np.arange(x["token_ids"].shape[1], dtype="int32"), x["token_ids"].shape)
     return x, np.random.default_rng(0).normal(size=(n, 4)).astype("float32")

@@ -149,6 +149,56 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     assert blocks == {(SEQUENCE // 2, SEQUENCE // 2), (SEQUENCE // 2, 1)}, blocks
 
 
+def test_a_norm_after_an_embedding_with_context_parallelism_matches_one_device():
+    """A plain Keras model, Embedding, LayerNormalization, Dense, mean
+    pooling: the norm's output split over the sequence, its gradient in
+    that layout, also in the last batch (1 row) that runs whole over the
+    batch axis."""
+    import keras
+    import numpy as np
+
+    def build():
+        tokens = keras.Input((SEQUENCE,), dtype="int32")
+        x = keras.layers.Embedding(50, 16)(tokens)
+        x = keras.layers.LayerNormalization()(x)
+        x = keras.layers.Dense(16, activation="relu")(x)
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        return keras.Model(tokens, keras.layers.Dense(1)(x))
+
+    rng = np.random.default_rng(0)
+    model = assert_parity(
+        build,
+        x=rng.integers(0, 50, (13, SEQUENCE)).astype("int32"),
+        y=rng.normal(size=(13, 1)).astype("float32"),
+        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),
+        batch_size=4,
+        steps=4,
+    )
+    laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
+    assert [axes for path, axes in laid_out.items() if "layer_normalization" in path] == [
+        ("context_parallel='sequence'", SPLIT)
+    ], laid_out
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["BertBackbone", "RobertaBackbone", "XLMRobertaBackbone", "ElectraBackbone", "DistilBertBackbone", "OPTBackbone"],
+)
+def test_keras_hub_learned_positions_with_context_parallelism_match_one_device(name):
+    """The BERT family and OPT: a slice of a learned position table, whose
+    gradient (a `Pad` DTensor cannot expand split over the sequence) is
+    padded whole (`tfmp/lowering/slicing.py`); the embeddings' norm laid out
+    split, which in the last batch (1 row, which the batch axis does not
+    divide) is laid out whole over the batch, not left to DTensor
+    (`distribute_tensor`); BERT's and ELECTRA's segment embeddings and
+    pooled output beside the sequence output."""
+    model = hub_classifier_like_one_device(name)
+    laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
+    assert any(re.search("attention|attn", path) for path in laid_out), laid_out
+    assert any(re.search("norm", path) for path in laid_out), laid_out
+    assert all(axes == SPLIT for _, axes in laid_out.values())
+
+
 def test_keras_hub_linear_attention_with_context_parallelism_matches_one_device():
     """Qwen 3.5's linear attention (a causal convolution and a recurrence
     over chunks of the sequence, in its first layer) computes with the
@@ -394,18 +444,18 @@ def test_a_sequence_that_does_not_divide_is_a_named_error():
 
 
 def test_a_model_context_parallelism_cannot_split_yet_says_to_turn_it_off():
-    """DistilBERT: DTensor's gradient of the relayout of its embeddings' norm,
-    which a dropout reads, fails its own check at the first step
+    """DeBERTa-v3: its disentangled attention transposes scores split over
+    the sequence, a `Transpose` DTensor cannot expand, at the first step
     (docs/tensor-parallel.md names the models known so). The error says
     what to try first."""
     from hub_backbones import pooled_classifier, pooled_classifier_data
 
     with context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence").scope():
-        model = pooled_classifier("DistilBertBackbone")
+        model = pooled_classifier("DebertaV3Backbone")
         model.compile(optimizer="adam", loss="mse")
     x, y = pooled_classifier_data()
     with pytest.raises(
-        ValueError, match=r"RelayoutLike(.|\n)*context_parallel splits this model's sequences over mesh axis "
+        ValueError, match=r"Transpose(.|\n)*context_parallel splits this model's sequences over mesh axis "
         r"'sequence'(.|\n)*train with context_parallel=False"
     ):
         model.fit(x, y, batch_size=4, verbose=0)

@@ -22,6 +22,15 @@
   dimension (`x[:, ::-1]`, `x[::-2]`) reverses each device's shard in place
   (values and gradient wrong, silently). On a mesh such a dimension is
   sliced whole and gathered at the positions the range names.
+- The gradient of Keras' `slice` (`keras.ops.slice`) is TensorFlow's: a
+  `Pad` of the slice's gradient back to the input's shape. DTensor's `Pad`
+  fails on a padded dimension split over a mesh axis ("SPMD expansion
+  resulted in op output inconsistent with the provided layout"), and layout
+  propagation splits it so where the slice meets split activations: a
+  position embedding's rows, added to a sequence split by context
+  parallelism (BERT, RoBERTa, OPT, in the step of a last partial batch).
+  On a mesh the gradient is gathered whole first, padded, and left whole;
+  the slice itself is TensorFlow's.
 """
 
 from __future__ import annotations
@@ -33,9 +42,39 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.name_scope import current_path
 
+from tensorflow.experimental import dtensor
+
+from tfmp.forward import BACKWARD_SCOPE, forward_mesh
+from tfmp.layout import replicated
 from tfmp.lowering.registry import Lowering, keras_original
 
 _ARRAY_OPS = "tensorflow.python.ops.array_ops"
+_KERAS_CORE = "keras.src.backend.tensorflow.core"
+
+
+def slice(inputs: Any, start_indices: Any, shape: Any) -> tf.Tensor:  # noqa: A001 (Keras' name)
+    """`keras.ops.slice` on a mesh: TensorFlow's slice, with its gradient
+    padded whole (DTensor's `Pad` fails on a split padded dimension)."""
+    original = keras_original(_KERAS_CORE, "slice")
+    inputs = tf.convert_to_tensor(inputs)
+    mesh = forward_mesh()
+    if not inputs.dtype.is_floating or not inputs.shape.rank:
+        return original(inputs, start_indices, shape)
+
+    @tf.custom_gradient
+    def sliced(value: tf.Tensor) -> Any:
+        result = original(value, start_indices, shape)
+
+        def gradient(upstream: tf.Tensor) -> tf.Tensor:
+            with tf.name_scope(BACKWARD_SCOPE):
+                begin = tf.cast(tf.convert_to_tensor(start_indices), tf.int32)
+                end = tf.shape(value) - begin - tf.shape(result)
+                padded = tf.pad(replicated(upstream, mesh), tf.stack([begin, end], axis=1))
+                return dtensor.relayout(padded, dtensor.Layout.replicated(mesh, padded.shape.rank))
+
+        return result, gradient
+
+    return sliced(inputs)
 
 
 def strided_slice(
@@ -313,6 +352,12 @@ def _traced_slice_error(input_: tf.Tensor) -> ValueError:
 
 
 LOWERINGS = (
+    Lowering(
+        _KERAS_CORE,
+        "slice",
+        slice,
+        "Pad, Slice's gradient, fails on a padded dimension split over a mesh axis",
+    ),
     Lowering(
         _ARRAY_OPS,
         "strided_slice",

@@ -17,12 +17,12 @@ from typing import Any, Callable, Iterator
 import keras
 import tensorflow as tf
 
-from tfmp.forward import forward_mesh
+from tfmp.forward import forward_mesh, relayout_with_gradient
 from tfmp.integrations.internals import get_keras_mask, set_keras_mask
 from tfmp.integrations.internals import keras_current_path as current_path
 from tfmp.layout import layout_axes
 from tfmp.tracing import context, scoped
-from tfmp.strategy.keras_distribution import distribute_tensor
+from tfmp.strategy.keras_distribution import distribute_tensor, traced_layout
 from tfmp.strategy.sequence_parallel import (
     gathers_sequence,
     gradient_whole_over_sequence,
@@ -81,10 +81,23 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
         )
     if axes is None:
         return outputs
+    if splits_sequences and not attention and strategy.layout_map.output_axes(path) is None:
+        # A norm's or dropout's output split by context parallelism gets its
+        # gradient in the same layout. DTensor's own gradient of the relayout
+        # (`RelayoutLike`) failed its layout check in a step whose batch runs
+        # whole (a last partial batch) where the norm reads an embedding (the
+        # BERT family). Given to every split output, an explicit gradient
+        # broke the demo LM under sequence parallelism and Qwen 3.5's linear
+        # attention: those keep DTensor's.
+        def lay_out(tensor: tf.Tensor) -> tf.Tensor:
+            layout = traced_layout(tensor, axes, mesh, strategy.batch_axis)
+            return relayout_with_gradient(tensor, layout, layout)
+    else:
+        def lay_out(tensor: tf.Tensor) -> tf.Tensor:
+            return distribute_tensor(tensor, axes)
+
     return tf.nest.map_structure(
-        lambda tensor: (
-            _with_mask_of(tensor, distribute_tensor(tensor, axes)) if isinstance(tensor, tf.Tensor) else tensor
-        ),
+        lambda tensor: _with_mask_of(tensor, lay_out(tensor)) if isinstance(tensor, tf.Tensor) else tensor,
         outputs,
     )
 

@@ -132,9 +132,14 @@ def distribute_tensor(tensor: Any, layout: Any) -> Any:
     mesh = forward_mesh()
     if mesh is None:
         return tensor
+    return dtensor.relayout(tensor, traced_layout(tensor, layout, mesh, batch_axis))
+
+
+def traced_layout(tensor: Any, layout: Any, mesh: dtensor.Mesh, batch_axis: str | None) -> dtensor.Layout:
+    """The DTensor layout `distribute_tensor` gives `tensor` in a traced
+    step: the batch axis's dimension as tfmp laid the batch out (`MATCH`)."""
     specs = _specs(layout, mesh, tensor.shape.rank)
-    specs = [dtensor.MATCH if spec == batch_axis else spec for spec in specs]
-    return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
+    return dtensor.Layout([dtensor.MATCH if spec == batch_axis else spec for spec in specs], mesh)
 
 
 def _specs(layout: Any, mesh: dtensor.Mesh, rank: int) -> list[str]:
