@@ -267,7 +267,7 @@ def _backward_slice():
     return wrong_values(lambda x: x[:, ::-1] * 1.0, ROWS, specs=[("batch", "model")])
 
 
-@probe("core.slice", "the slice lowering (tfmp/lowering/slicing.py)")
+@probe("core.slice", "the slice and pad lowerings (tfmp/lowering/slicing.py)", covers=("numpy.pad",))
 def _slice_gradient():
     table = RNG.normal(size=(16, 8)).astype("float32")
 

@@ -1,4 +1,5 @@
-"""TensorFlow's `strided_slice` (`tensor[...]`) on a mesh, as slices and gathers.
+"""TensorFlow's `strided_slice` (`tensor[...]`) on a mesh, as slices and
+gathers; Keras' `slice` and `pad` where DTensor cannot pad a split dimension.
 
 - RandomCrop crops with `images[:, h:h + height, w:w + width]` at an offset
   drawn in the step. DTensor sizes a `StridedSlice` whose bounds are tensors
@@ -31,6 +32,13 @@
   parallelism (BERT, RoBERTa, OPT, in the step of a last partial batch).
   On a mesh the gradient is gathered whole first, padded, and left whole;
   the slice itself is TensorFlow's.
+- Keras' `pad` (`keras.ops.pad`) is that `Pad`. Under context parallelism
+  it meets activations split over the sequence: RWKV-7 shifts each
+  sequence by one position with a pad and a slice. There a floating tensor
+  of rank 3 or more is padded with every dimension but the first (the
+  batch's) whole, and left so, its gradient too; elsewhere it is Keras'
+  own (a convolution's `ZeroPadding2D` pads dimensions no rule splits, and
+  gathering its channels would cost a filter-split convnet a collective).
 """
 
 from __future__ import annotations
@@ -44,12 +52,14 @@ from keras.src.backend.common.name_scope import current_path
 
 from tensorflow.experimental import dtensor
 
-from tfmp.forward import BACKWARD_SCOPE, forward_mesh
+from tfmp.forward import BACKWARD_SCOPE, forward_mesh, relayout_with_gradient
 from tfmp.layout import replicated
 from tfmp.lowering.registry import Lowering, keras_original
+from tfmp.tracing import context
 
 _ARRAY_OPS = "tensorflow.python.ops.array_ops"
 _KERAS_CORE = "keras.src.backend.tensorflow.core"
+_KERAS_NUMPY = "keras.src.backend.tensorflow.numpy"
 
 
 def slice(inputs: Any, start_indices: Any, shape: Any) -> tf.Tensor:  # noqa: A001 (Keras' name)
@@ -75,6 +85,21 @@ def slice(inputs: Any, start_indices: Any, shape: Any) -> tf.Tensor:  # noqa: A0
         return result, gradient
 
     return sliced(inputs)
+
+
+def pad(x: Any, pad_width: Any, mode: str = "constant", constant_values: Any = None) -> tf.Tensor:
+    """`keras.ops.pad`; under context parallelism, of a floating tensor of
+    rank 3 or more, with every dimension but the first whole (DTensor's
+    `Pad` fails on a split padded dimension)."""
+    original = keras_original(_KERAS_NUMPY, "pad")
+    x = tf.convert_to_tensor(x)
+    rank = x.shape.rank
+    if not context.splits_sequences or rank is None or rank < 3 or not x.dtype.is_floating:
+        return original(x, pad_width, mode, constant_values)
+    # DTensor allows one MATCH per layout: the batch's dimension keeps its split.
+    batch_kept = dtensor.Layout([dtensor.MATCH] + [dtensor.UNSHARDED] * (rank - 1), forward_mesh())
+    padded = original(relayout_with_gradient(x, batch_kept, batch_kept), pad_width, mode, constant_values)
+    return relayout_with_gradient(padded, batch_kept, batch_kept)
 
 
 def strided_slice(
@@ -357,6 +382,12 @@ LOWERINGS = (
         "slice",
         slice,
         "Pad, Slice's gradient, fails on a padded dimension split over a mesh axis",
+    ),
+    Lowering(
+        _KERAS_NUMPY,
+        "pad",
+        pad,
+        "Pad fails on a padded dimension split over a mesh axis (a sequence under context parallelism)",
     ),
     Lowering(
         _ARRAY_OPS,

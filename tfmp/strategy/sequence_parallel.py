@@ -23,9 +23,10 @@ causal and padding masks included: 1/N of the `(sequence, sequence)` scores,
 or, where attention runs `keras.ops.dot_product_attention`, a block of keys
 at a time, keeping none (`tfmp.lowering.attention`). A layer that mixes
 positions without a `_compute_attention(query, key, value, ...)` method
-(some KerasHub encoders' attention, Qwen 3.5's linear attention) computes
-with its inputs whole and its output's gradient whole, and lays its output
-out split again: exact, without the memory saving.
+(some KerasHub encoders' attention, Qwen 3.5's linear attention, RWKV-7's
+time mixing) computes with its inputs whole and its output's gradient
+whole, and lays its output out split again: exact, without the memory
+saving.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from tfmp.forward import BACKWARD_SCOPE
 
 # KerasHub's own norms (LlamaLayerNorm, Gemma's RMSNormalization, ...) and
 # attention layers (CachedLlamaAttention, ...) are recognized by their class
-# names, as Keras' are by theirs; so is Qwen 3.5's linear attention (a
-# causal convolution and a recurrence over chunks of the sequence).
+# names, as Keras' are by theirs; so are Qwen 3.5's linear attention (a
+# causal convolution and a recurrence over chunks of the sequence) and
+# RWKV-7's time mixing (a recurrence over time steps).
 _NORM_CLASS = re.compile(r"(LayerNorm|RMSNorm)(alization)?$")
-_SEQUENCE_MIXING_CLASS = re.compile(r"(Attention|GatedDeltaNet)$")
+_SEQUENCE_MIXING_CLASS = re.compile(r"(Attention|GatedDeltaNet|TimeMix)$")
 _EMBEDDING_CLASS = re.compile(r"Embedding$")
 
 
@@ -93,10 +95,11 @@ def gradient_whole_over_sequence(outputs: tf.Tensor, whole: Callable[[tf.Tensor]
 
 def gathers_sequence(layer: Any) -> bool:
     """Whether `layer` reads its inputs' sequence whole: an attention layer,
-    or a linear attention. DTensor would otherwise carry the split into its
-    heads, whose transposes it cannot move (KerasHub's Llama attention), or
-    into the padded and chunked sequence a linear attention's convolution
-    and recurrence take; Megatron gathers there too."""
+    a linear attention, or RWKV-7's time mixing. DTensor would otherwise
+    carry the split into its heads, whose transposes it cannot move
+    (KerasHub's Llama attention), into the padded and chunked sequence a
+    linear attention's convolution and recurrence take, or into the time
+    steps a recurrence stacks; Megatron gathers there too."""
     return any(_SEQUENCE_MIXING_CLASS.search(cls.__name__) for cls in type(layer).__mro__)
 
 
