@@ -479,23 +479,13 @@ BACKBONES: dict[str, Callable[[], Any]] = {
 }
 
 
-# The text backbones with a `segment_ids` input, and those that encode one
-# sequence and decode another.
-SEGMENTED = ("AlbertBackbone", "BertBackbone", "ElectraBackbone")
-ENCODER_DECODERS = ("BartBackbone",)
-
-
 def pooled_classifier(name: str) -> Any:
-    """The tiny backbone `name` under a mean pooling (of its sequence
-    output, where it has several) and a 4-way Dense head: a whole model for
-    `pooled_classifier_data`."""
+    """The tiny backbone `name` under a mean pooling and a 4-way Dense head:
+    a whole model for `pooled_classifier_data`."""
     import keras
 
     backbone = BACKBONES[name]()
-    outputs = backbone.output
-    if isinstance(outputs, dict):
-        outputs = outputs["decoder_sequence_output" if name in ENCODER_DECODERS else "sequence_output"]
-    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(outputs)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(backbone.output)
     classifier = keras.layers.Dense(4, name="classifier")(pooled)
     return keras.Model(backbone.input, classifier, name=f"{name.removesuffix('Backbone').lower()}_classifier")
 
@@ -503,16 +493,11 @@ def pooled_classifier(name: str) -> Any:
 def pooled_classifier_data(n: int = 13, name: str = "") -> tuple[dict, Any]:
     """`n` rows of tokens with padding masks (every third row padded) and
     4 regression targets each; for Gemma 4's backbone (`name`), each
-    token's position too; for the backbones that read segments, one
-    segment; for an encoder-decoder, the same tokens on both sides."""
+    token's position too."""
     import numpy as np
     from test_keras_interop import token_data
 
     x, _, _ = token_data(n=n)
-    if name in SEGMENTED:
-        x["segment_ids"] = np.zeros_like(x["token_ids"])
-    if name in ENCODER_DECODERS:
-        x = {f"{side}_{key}": value for side in ("encoder", "decoder") for key, value in x.items()}
     if name == "Gemma4Backbone":
         x["position_ids"] = np.broadcast_to(np.arange(x["token_ids"].shape[1], dtype="int32"), x["token_ids"].shape)
     return x, np.random.default_rng(0).normal(size=(n, 4)).astype("float32")

@@ -30,8 +30,8 @@ gathers; Keras' `slice` and `pad` where DTensor cannot pad a split dimension.
   propagation splits it so where the slice meets split activations: a
   position embedding's rows, added to a sequence split by context
   parallelism (BERT, RoBERTa, OPT, in the step of a last partial batch).
-  On a mesh the gradient is gathered whole first, padded, and left whole;
-  the slice itself is TensorFlow's.
+  Under context parallelism the gradient is gathered whole first, padded,
+  and left whole; the slice itself is TensorFlow's.
 - Keras' `pad` (`keras.ops.pad`) is that `Pad`. Under context parallelism
   it meets activations split over the sequence: RWKV-7 shifts each
   sequence by one position with a pad and a slice. There a floating tensor
@@ -49,7 +49,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.name_scope import current_path
-
 from tensorflow.experimental import dtensor
 
 from tfmp.forward import BACKWARD_SCOPE, forward_mesh, relayout_with_gradient
@@ -63,13 +62,14 @@ _KERAS_NUMPY = "keras.src.backend.tensorflow.numpy"
 
 
 def slice(inputs: Any, start_indices: Any, shape: Any) -> tf.Tensor:  # noqa: A001 (Keras' name)
-    """`keras.ops.slice` on a mesh: TensorFlow's slice, with its gradient
-    padded whole (DTensor's `Pad` fails on a split padded dimension)."""
+    """`keras.ops.slice`; under context parallelism, of a floating tensor,
+    with its gradient padded whole (DTensor's `Pad` fails on a split padded
+    dimension)."""
     original = keras_original(_KERAS_CORE, "slice")
     inputs = tf.convert_to_tensor(inputs)
-    mesh = forward_mesh()
-    if not inputs.dtype.is_floating or not inputs.shape.rank:
+    if not context.splits_sequences or not inputs.dtype.is_floating or not inputs.shape.rank:
         return original(inputs, start_indices, shape)
+    mesh = forward_mesh()
 
     @tf.custom_gradient
     def sliced(value: tf.Tensor) -> Any:
@@ -381,7 +381,8 @@ LOWERINGS = (
         _KERAS_CORE,
         "slice",
         slice,
-        "Pad, Slice's gradient, fails on a padded dimension split over a mesh axis",
+        "Pad, Slice's gradient, fails on a padded dimension split over a mesh axis (a position"
+        " embedding's rows under context parallelism)",
     ),
     Lowering(
         _KERAS_NUMPY,
