@@ -53,8 +53,6 @@ from tfmp.strategy.watchdog import watch_custom_loop_steps, watched_call, with_s
 from tfmp.tracing import context, scoped
 
 _VALUE_DTYPES = dtypes.TF_VALUE_DTYPES
-# Per graph being traced: the host tensors it captured, by id and mesh.
-_host_captures: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 # Host tensors of up to this many elements that a step captures become
 # constants of its graph; larger ones are copied onto the mesh once.
@@ -386,7 +384,12 @@ def mesh_captures(capture: Callable) -> Callable:
             if extended is None:
                 return capture(self, tensor, name, shape)
             mesh = extended.home_mesh.dtensor_mesh
-        cache = _host_captures.setdefault(self, {})
+        # Held by the graph: the values are its tensors, which a table keyed
+        # weakly by the graph would keep alive, and the graph with them.
+        cache = getattr(self, "_tfmp_host_captures", None)
+        if cache is None:
+            cache = {}
+            setattr(self, "_tfmp_host_captures", cache)
         key = (id(tensor), mesh.to_string())
         if key not in cache:
             if tensor.shape.num_elements() <= _CONSTANT_ELEMENTS:
