@@ -190,6 +190,55 @@ def test_a_norm_after_an_embedding_with_context_parallelism_matches_one_device()
     ], laid_out
 
 
+def test_a_time_mixing_recurrence_with_context_parallelism_matches_one_device():
+    """A layer whose class name ends in `TimeMix`, as RWKV-7's time mixing,
+    runs a recurrence over the time steps and stacks them with a
+    TensorArray; context parallelism computes it with the sequence whole
+    (DTensor cannot stack time steps of a split sequence) and lays its
+    output out split."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    class DecayTimeMix(keras.layers.Layer):
+        def build(self, shape):
+            self.projection = keras.layers.Dense(shape[-1])
+            self.decay = self.add_weight(shape=(shape[-1],), initializer="zeros")
+
+        def call(self, x):
+            x = self.projection(x)
+            decay = keras.ops.sigmoid(self.decay)
+            state = keras.ops.zeros_like(x[:, 0])
+            steps = tf.TensorArray(x.dtype, size=x.shape[1])
+            for t in range(x.shape[1]):
+                state = state * decay + x[:, t]
+                steps = steps.write(t, state)
+            return keras.ops.transpose(steps.stack(), [1, 0, 2])
+
+    def build():
+        tokens = keras.Input((SEQUENCE,), dtype="int32")
+        x = keras.layers.Embedding(50, 16)(tokens)
+        x = keras.layers.LayerNormalization()(x)
+        x = x + DecayTimeMix()(x)
+        x = keras.layers.Dense(16, activation="relu")(x)
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        return keras.Model(tokens, keras.layers.Dense(1)(x))
+
+    rng = np.random.default_rng(0)
+    model = assert_parity(
+        build,
+        x=rng.integers(0, 50, (13, SEQUENCE)).astype("int32"),
+        y=rng.normal(size=(13, 1)).astype("float32"),
+        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),
+        batch_size=4,
+        steps=4,
+    )
+    laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
+    assert [axes for path, axes in laid_out.items() if "time_mix" in path] == [
+        ("context_parallel='sequence'", SPLIT)
+    ], laid_out
+
+
 def test_keras_hub_linear_attention_with_context_parallelism_matches_one_device():
     """Qwen 3.5's linear attention (a causal convolution and a recurrence
     over chunks of the sequence, in its first layer) computes with the

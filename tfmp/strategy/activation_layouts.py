@@ -71,12 +71,23 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
     # (no queries of its own to split), reaches it whole: DTensor would carry
     # the split of the later layers into their backward passes, through a
     # lookup's gradient (rows of batch x sequence) and a linear attention's
-    # shifts and chunks, which it cannot split.
+    # shifts and chunks, which it cannot split. Such a layer's output is
+    # first laid out whole in the forward pass too: DTensor carried the
+    # split of the relayout after it back onto the time steps a recurrence
+    # stacks, which it then could not stack.
     if splits_sequences and ((attention and not queries_split) or (axes is None and is_embedding(layer))):
-        outputs = tf.nest.map_structure(
-            lambda tensor: _with_mask_of(tensor, gradient_whole_over_sequence(
+        computed_whole = attention and not queries_split
+
+        def kept_whole(tensor: tf.Tensor) -> tf.Tensor:
+            if computed_whole:
+                tensor = _sequence_inputs(tensor, strategy.batch_axis, None, mesh)
+            return gradient_whole_over_sequence(
                 tensor, lambda gradient: _sequence_inputs(gradient, strategy.batch_axis, None, mesh)
-            )) if isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating else tensor,
+            )
+
+        outputs = tf.nest.map_structure(
+            lambda tensor: _with_mask_of(tensor, kept_whole(tensor))
+            if isinstance(tensor, tf.Tensor) and tensor.dtype.is_floating else tensor,
             outputs,
         )
     if axes is None:
