@@ -149,28 +149,17 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     assert blocks == {(SEQUENCE // 2, SEQUENCE // 2), (SEQUENCE // 2, 1)}, blocks
 
 
-def test_a_norm_after_an_embedding_with_context_parallelism_matches_one_device():
-    """A plain Keras model: Embedding plus KerasHub's PositionEmbedding (a
-    slice of a learned table, whose gradient is a `Pad` DTensor cannot
-    expand split: `tfmp/lowering/slicing.py`), LayerNormalization (its
-    output split over the sequence, its gradient in that layout, also in
-    the last batch of 1 row that runs whole over the batch axis: DTensor's
-    own gradient of the relayout failed there), a shift by one position
-    (`keras.ops.pad` of the split sequence), Dense, mean pooling."""
+def token_regression_layouts(middle, path_part: str) -> list:
+    """Trains Embedding -> `middle` -> Dense -> mean pooling -> Dense(1) under
+    context parallelism ("auto", 2x2x2) like one device, 13 rows at batch 4
+    (a last batch of 1 the batch axis does not divide); returns the layouts
+    of the laid-out outputs whose path holds `path_part`."""
     import keras
-    import keras_hub
     import numpy as np
-
-    class ShiftByOne(keras.layers.Layer):
-        def call(self, x):
-            return x + keras.ops.pad(x, [[0, 0], [1, 0], [0, 0]])[:, :-1, :]
 
     def build():
         tokens = keras.Input((SEQUENCE,), dtype="int32")
-        x = keras.layers.Embedding(50, 16)(tokens)
-        x = x + keras_hub.layers.PositionEmbedding(2 * SEQUENCE)(x)
-        x = keras.layers.LayerNormalization()(x)
-        x = ShiftByOne()(x)
+        x = middle(keras.layers.Embedding(50, 16)(tokens))
         x = keras.layers.Dense(16, activation="relu")(x)
         x = keras.layers.GlobalAveragePooling1D()(x)
         return keras.Model(tokens, keras.layers.Dense(1)(x))
@@ -185,9 +174,29 @@ def test_a_norm_after_an_embedding_with_context_parallelism_matches_one_device()
         steps=4,
     )
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
-    assert [axes for path, axes in laid_out.items() if "layer_normalization" in path] == [
-        ("context_parallel='sequence'", SPLIT)
-    ], laid_out
+    return [axes for path, axes in laid_out.items() if path_part in path]
+
+
+def test_a_norm_after_an_embedding_with_context_parallelism_matches_one_device():
+    """A plain Keras model: Embedding plus KerasHub's PositionEmbedding (a
+    slice of a learned table, whose gradient is a `Pad` DTensor cannot
+    expand split: `tfmp/lowering/slicing.py`), LayerNormalization (its
+    output split over the sequence, its gradient in that layout, also in
+    the last batch of 1 row that runs whole over the batch axis: DTensor's
+    own gradient of the relayout failed there), a shift by one position
+    (`keras.ops.pad` of the split sequence), Dense, mean pooling."""
+    import keras
+    import keras_hub
+
+    class ShiftByOne(keras.layers.Layer):
+        def call(self, x):
+            return x + keras.ops.pad(x, [[0, 0], [1, 0], [0, 0]])[:, :-1, :]
+
+    def middle(x):
+        x = x + keras_hub.layers.PositionEmbedding(2 * SEQUENCE)(x)
+        return ShiftByOne()(keras.layers.LayerNormalization()(x))
+
+    assert token_regression_layouts(middle, "layer_normalization") == [("context_parallel='sequence'", SPLIT)]
 
 
 def test_a_time_mixing_recurrence_with_context_parallelism_matches_one_device():
@@ -197,7 +206,6 @@ def test_a_time_mixing_recurrence_with_context_parallelism_matches_one_device():
     (DTensor cannot stack time steps of a split sequence) and lays its
     output out split."""
     import keras
-    import numpy as np
     import tensorflow as tf
 
     class DecayTimeMix(keras.layers.Layer):
@@ -215,28 +223,11 @@ def test_a_time_mixing_recurrence_with_context_parallelism_matches_one_device():
                 steps = steps.write(t, state)
             return keras.ops.transpose(steps.stack(), [1, 0, 2])
 
-    def build():
-        tokens = keras.Input((SEQUENCE,), dtype="int32")
-        x = keras.layers.Embedding(50, 16)(tokens)
+    def middle(x):
         x = keras.layers.LayerNormalization()(x)
-        x = x + DecayTimeMix()(x)
-        x = keras.layers.Dense(16, activation="relu")(x)
-        x = keras.layers.GlobalAveragePooling1D()(x)
-        return keras.Model(tokens, keras.layers.Dense(1)(x))
+        return x + DecayTimeMix()(x)
 
-    rng = np.random.default_rng(0)
-    model = assert_parity(
-        build,
-        x=rng.integers(0, 50, (13, SEQUENCE)).astype("int32"),
-        y=rng.normal(size=(13, 1)).astype("float32"),
-        strategy=context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence"),
-        batch_size=4,
-        steps=4,
-    )
-    laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
-    assert [axes for path, axes in laid_out.items() if "time_mix" in path] == [
-        ("context_parallel='sequence'", SPLIT)
-    ], laid_out
+    assert token_regression_layouts(middle, "time_mix") == [("context_parallel='sequence'", SPLIT)]
 
 
 def test_keras_hub_linear_attention_with_context_parallelism_matches_one_device():
