@@ -83,6 +83,81 @@ def test_keras_hub_backbone_with_sequence_parallelism_matches_one_device(name):
     assert kinds & {"LayerNormalization", "LlamaLayerNorm"}, kinds
 
 
+def bert_like(tokens):
+    """Embedding, LayerNormalization, Dropout (0.1), two Dense, as the BERT
+    family begins: in the last batch DTensor's own gradient of the
+    dropout's relayout failed its layout check."""
+    x = keras.layers.Embedding(50, 16)(tokens)
+    x = keras.layers.Dropout(0.1, name="dropout")(keras.layers.LayerNormalization(name="norm")(x))
+    return keras.layers.Dense(16)(keras.layers.Dense(32, activation="relu")(x))
+
+
+def opt_like(tokens):
+    """Token and position embeddings (the positions a slice of a learned
+    table, whose gradient is a `Pad`) into a pre-norm TransformerDecoder, as
+    OPT begins: the `Pad` failed where layout propagation split it."""
+    import keras_hub
+
+    x = keras_hub.layers.TokenAndPositionEmbedding(50, 5 * SEQUENCE, 16)(tokens)
+    return keras_hub.layers.TransformerDecoder(32, 2, normalize_first=True, name="decoder")(x)
+
+
+def albert_like(tokens):
+    """Embedding of 8 features, LayerNormalization, Dropout, a Dense
+    projection to 16 features, a TransformerEncoder, as ALBERT begins (it
+    factorizes its embedding): DTensor's own gradient of the attention
+    input's gather failed its layout check at the first step."""
+    import keras_hub
+
+    x = keras.layers.LayerNormalization(name="norm")(keras.layers.Embedding(50, 8)(tokens))
+    x = keras.layers.Dense(16, name="projection")(keras.layers.Dropout(0.1, name="dropout")(x))
+    return keras_hub.layers.TransformerEncoder(32, 2, name="encoder")(x)
+
+
+def shifted_by_one(tokens):
+    """Embedding, LayerNormalization, then each position plus the one before
+    it (`keras.ops.pad` and a slice), as RWKV-7 mixes tokens: the `Pad` of
+    the norm's split output failed."""
+
+    class ShiftByOne(keras.layers.Layer):
+        def call(self, x):
+            return x + keras.ops.pad(x, [[0, 0], [1, 0], [0, 0]])[:, :-1, :]
+
+    x = keras.layers.LayerNormalization(name="norm")(keras.layers.Embedding(50, 16)(tokens))
+    return keras.layers.Dense(16)(ShiftByOne()(x))
+
+
+@pytest.mark.parametrize("body", [bert_like, opt_like, albert_like, shifted_by_one], ids=lambda body: body.__name__)
+def test_the_first_layers_of_bert_opt_albert_and_rwkv_match_one_device(body):
+    """Each begins a plain Keras model that mean-pools into Dense(1); 13 rows
+    at batch 4: the last batch of 1 row runs whole over the batch axis. Held to the float64 yardstick: with tensor parallelism alone too,
+    one weight of the decoder's attention output kernel ends 5e-5 from one
+    device (float order, which Adam's steps carry), and its key's bias has
+    a zero gradient in theory."""
+    import numpy as np
+
+    def build():
+        tokens = keras.Input((SEQUENCE,), dtype="int32")
+        pooled = keras.layers.GlobalAveragePooling1D()(body(tokens))
+        return keras.Model(tokens, keras.layers.Dense(1)(pooled), name=body.__name__)
+
+    rng = np.random.default_rng(0)
+    model = assert_parity(
+        build,
+        x=rng.integers(0, 50, (13, SEQUENCE)).astype("int32"),
+        y=rng.normal(size=(13, 1)).astype("float32"),
+        strategy=strategy_on((2, 4), lambda mesh: "auto", sequence_parallel=True),
+        batch_size=4,
+        steps=4,
+        zero_gradient=r"/key/bias$",
+        noise_yardstick=True,
+    )
+    laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
+    assert laid_out and all(axes == ("sequence_parallel='model'", SPLIT) for axes in laid_out.values())
+    if body is bert_like:
+        assert set(laid_out) == {"bert_like/norm", "bert_like/dropout"}
+
+
 def test_a_sequence_that_does_not_divide_is_a_named_error():
     strategy = lm_on_sequence_parallel_mesh()
     with strategy.scope():

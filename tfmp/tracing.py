@@ -51,9 +51,13 @@ class TracingContext(threading.local):
             iterator is Keras' symbolic build (`tfmp.strategy.epoch_iterator`).
         unknown_batch_rows: Whether the epoch being run traces its steps with
             a batch size unknown, as one device does (`tfmp.strategy.epoch_iterator`).
-        splits_sequences: Whether the layer being traced runs under context
-            parallelism (`tfmp.strategy.activation_layouts`), where Keras'
-            matmul keeps a split sequence (`tfmp.lowering.arrays.matmul`).
+        sequences_split_by: The option under which the layer being traced
+            runs with its sequences split over a mesh axis,
+            `"context_parallel"` or `"sequence_parallel"`, else None
+            (`tfmp.strategy.activation_layouts`). Under context parallelism
+            Keras' matmul keeps a split sequence (`tfmp.lowering.arrays.matmul`)
+            and attention takes its keys in blocks; under either, a slice's
+            gradient and a pad meet split sequences (`tfmp.lowering.slicing`).
         step_on_mesh: Whether a strategy's step on a mesh is being traced
             (`ModelParallelExtended.call_for_each_replica`): the losses it
             computes are lowered too (`tfmp.lowering.losses`).
@@ -82,7 +86,7 @@ class TracingContext(threading.local):
         self.skip_in_next_epoch = 0
         self.build_pass_expected = False
         self.unknown_batch_rows = False
-        self.splits_sequences = False
+        self.sequences_split_by: str | None = None
         self.step_on_mesh = False
         self.step_sequence_axis: str | None = None
         self.sequence_gathers: dict = {}

@@ -113,7 +113,7 @@ def matmul(x1: Any, x2: Any) -> tf.Tensor:
     x1, x2 = convert_to_tensor(x1), convert_to_tensor(x2)
     rank = x1.shape.rank
     if (
-        not context.splits_sequences
+        context.sequences_split_by != "context_parallel"
         or isinstance(x1, tf.SparseTensor)
         or isinstance(x2, tf.SparseTensor)
         or rank is None

@@ -126,7 +126,7 @@ def _key_blocks(query: Any, key: Any, value: Any) -> int:
     divide by the sequence axis; 0 otherwise."""
     axis = context.step_sequence_axis
     mesh = forward_mesh()
-    if not context.splits_sequences or axis is None or mesh is None or axis not in mesh.dim_names:
+    if context.sequences_split_by != "context_parallel" or axis is None or mesh is None or axis not in mesh.dim_names:
         return 0
     shapes = [getattr(t, "shape", tf.TensorShape(None)) for t in (query, key, value)]
     if any(s.rank != 4 for s in shapes) or not all(s[1:].is_fully_defined() for s in shapes):

@@ -121,7 +121,7 @@ def takes_the_fused_path(attention: HubAttention) -> Callable[[Callable], Callab
 def _fused_path_is_exact(attention: HubAttention, layer: Any, key: Any) -> bool:
     """Whether `layer`, called with `key` under context parallelism, computes
     through the fused path what its own path does."""
-    if forward_mesh() is None or not context.splits_sequences:
+    if forward_mesh() is None or context.sequences_split_by != "context_parallel":
         return False
     if keras.config.is_flash_attention_enabled() is False or getattr(layer, "logit_soft_cap", None) is not None:
         return False

@@ -29,12 +29,12 @@ gathers; Keras' `slice` and `pad` where DTensor cannot pad a split dimension.
   resulted in op output inconsistent with the provided layout"), and layout
   propagation splits it so where the slice meets split activations: a
   position embedding's rows, added to a sequence split by context
-  parallelism (BERT, RoBERTa, OPT, in the step of a last partial batch).
-  Under context parallelism the gradient is gathered whole first, padded,
-  and left whole; the slice itself is TensorFlow's.
-- Keras' `pad` (`keras.ops.pad`) is that `Pad`. Under context parallelism
-  it meets activations split over the sequence: RWKV-7 shifts each
-  sequence by one position with a pad and a slice. There a floating tensor
+  parallelism (BERT, RoBERTa, OPT, in the step of a last partial batch) or
+  by sequence parallelism (OPT). Under either the gradient is gathered
+  whole first, padded, and left whole; the slice itself is TensorFlow's.
+- Keras' `pad` (`keras.ops.pad`) is that `Pad`. Under context or sequence
+  parallelism it meets activations split over the sequence: RWKV-7 shifts
+  each sequence by one position with a pad and a slice. There a floating tensor
   of rank 3 or more is padded with every dimension but the first (the
   batch's) whole, and left so, its gradient too; elsewhere it is Keras'
   own (a convolution's `ZeroPadding2D` pads dimensions no rule splits, and
@@ -62,12 +62,12 @@ _KERAS_NUMPY = "keras.src.backend.tensorflow.numpy"
 
 
 def slice(inputs: Any, start_indices: Any, shape: Any) -> tf.Tensor:  # noqa: A001 (Keras' name)
-    """`keras.ops.slice`; under context parallelism, of a floating tensor,
-    with its gradient padded whole (DTensor's `Pad` fails on a split padded
-    dimension)."""
+    """`keras.ops.slice`; under context or sequence parallelism, of a
+    floating tensor, with its gradient padded whole (DTensor's `Pad` fails
+    on a split padded dimension)."""
     original = keras_original(_KERAS_CORE, "slice")
     inputs = tf.convert_to_tensor(inputs)
-    if not context.splits_sequences or not inputs.dtype.is_floating or not inputs.shape.rank:
+    if context.sequences_split_by is None or not inputs.dtype.is_floating or not inputs.shape.rank:
         return original(inputs, start_indices, shape)
     mesh = forward_mesh()
 
@@ -88,13 +88,13 @@ def slice(inputs: Any, start_indices: Any, shape: Any) -> tf.Tensor:  # noqa: A0
 
 
 def pad(x: Any, pad_width: Any, mode: str = "constant", constant_values: Any = None) -> tf.Tensor:
-    """`keras.ops.pad`; under context parallelism, of a floating tensor of
-    rank 3 or more, with every dimension but the first whole (DTensor's
-    `Pad` fails on a split padded dimension)."""
+    """`keras.ops.pad`; under context or sequence parallelism, of a
+    floating tensor of rank 3 or more, with every dimension but the first
+    whole (DTensor's `Pad` fails on a split padded dimension)."""
     original = keras_original(_KERAS_NUMPY, "pad")
     x = tf.convert_to_tensor(x)
     rank = x.shape.rank
-    if not context.splits_sequences or rank is None or rank < 3 or not x.dtype.is_floating:
+    if context.sequences_split_by is None or rank is None or rank < 3 or not x.dtype.is_floating:
         return original(x, pad_width, mode, constant_values)
     # DTensor allows one MATCH per layout: the batch's dimension keeps its split.
     batch_kept = dtensor.Layout([dtensor.MATCH] + [dtensor.UNSHARDED] * (rank - 1), forward_mesh())
@@ -382,13 +382,14 @@ LOWERINGS = (
         "slice",
         slice,
         "Pad, Slice's gradient, fails on a padded dimension split over a mesh axis (a position"
-        " embedding's rows under context parallelism)",
+        " embedding's rows under context or sequence parallelism)",
     ),
     Lowering(
         _KERAS_NUMPY,
         "pad",
         pad,
-        "Pad fails on a padded dimension split over a mesh axis (a sequence under context parallelism)",
+        "Pad fails on a padded dimension split over a mesh axis (a sequence under context or"
+        " sequence parallelism)",
     ),
     Lowering(
         _ARRAY_OPS,

@@ -53,7 +53,8 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
     splits_queries = attention and option == "context_parallel"
     whole_keys = _whole_keys_and_values(layer, strategy.batch_axis, axis, mesh) if splits_queries else None
     splits_sequences = option == "context_parallel" and axis is not None
-    with whole_keys or contextlib.nullcontext(False) as queries_split, scoped(splits_sequences=splits_sequences):
+    sequences_split_by = option if axis is not None else None
+    with whole_keys or contextlib.nullcontext(False) as queries_split, scoped(sequences_split_by=sequences_split_by):
         if attention:
             inputs_axis = axis if queries_split else None
             args, kwargs = tf.nest.map_structure(
@@ -92,17 +93,25 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
         )
     if axes is None:
         return outputs
-    if splits_sequences and not attention and strategy.layout_map.output_axes(path) is None:
-        # A norm's or dropout's output split by context parallelism gets its
-        # gradient in the same layout. DTensor's own gradient of the relayout
-        # (`RelayoutLike`) failed its layout check in a step whose batch runs
-        # whole (a last partial batch) where the norm reads an embedding (the
-        # BERT family). Given to every split output, an explicit gradient
-        # broke the demo LM under sequence parallelism and Qwen 3.5's linear
-        # attention: those keep DTensor's.
+    if not attention and strategy.layout_map.output_axes(path) is None:
+        # A norm's or dropout's output split by sequence or context
+        # parallelism gets an explicit gradient: DTensor's own gradient of the
+        # relayout (`RelayoutLike`, the gradient laid out as DTensor
+        # propagated the relayout's input) failed its layout check in a step
+        # whose batch runs whole (a last partial batch), where a norm's split
+        # output feeds a dropout (the BERT family). Under context parallelism
+        # the gradient keeps the split, as the layers before computed; under
+        # sequence parallelism it is whole over the sequence, as the
+        # tensor-parallel block before computed: kept split there, it broke
+        # the demo LM's vocabulary-parallel embedding.
+        gradient_axes = axes if splits_sequences else (strategy.batch_axis, None, None)
+
         def lay_out(tensor: tf.Tensor) -> tf.Tensor:
-            layout = traced_layout(tensor, axes, mesh, strategy.batch_axis)
-            return relayout_with_gradient(tensor, layout, layout)
+            return relayout_with_gradient(
+                tensor,
+                traced_layout(tensor, axes, mesh, strategy.batch_axis),
+                traced_layout(tensor, gradient_axes, mesh, strategy.batch_axis),
+            )
     else:
         def lay_out(tensor: tf.Tensor) -> tf.Tensor:
             return distribute_tensor(tensor, axes)
@@ -174,12 +183,20 @@ def _sequence_inputs(value: Any, batch_axis: str | None, sequence_axis: str | No
     """An attention layer's `(batch, sequence, features)` floating input with
     its sequence split over `sequence_axis` where it divides (else whole: the
     layer's output then names the length), or whole for None; other values
-    as they are."""
+    as they are.
+
+    Laid out whole, its gradient is whole too: DTensor's own gradient of the
+    relayout (`RelayoutLike`) failed its layout check under sequence
+    parallelism at ALBERT's first step, where attention reads a projection
+    of the embeddings' split norm and dropout."""
     if not isinstance(value, tf.Tensor) or value.shape.rank != 3 or not value.dtype.is_floating:
         return value
     length = value.shape[1]
     if sequence_axis is not None and (length is None or length % mesh.dim_size(sequence_axis)):
         sequence_axis = None
+    if sequence_axis is None:
+        whole = traced_layout(value, (batch_axis, None, None), mesh, batch_axis)
+        return _with_mask_of(value, relayout_with_gradient(value, whole, whole))
     return _with_mask_of(value, distribute_tensor(value, (batch_axis, sequence_axis, None)))
 
 
