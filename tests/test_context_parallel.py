@@ -45,10 +45,11 @@ def hub_classifier_like_one_device(name: str):
 
 def per_device_score_shapes(model, op: str = "Exp") -> set:
     """The shapes of the 4-D outputs of attention's `op` (by default the
-    exponentiated scores; "Softmax" for Keras' own) on each device, in the
-    forward and backward passes of the model's first steps (the model's
-    own ops, in its name scope: a model trained before it in the process
-    may show too)."""
+    exponentiated scores; "Softmax" for Keras' own), and the 5-D ones of
+    grouped heads (Gemma's own `(batch, key heads, groups, queries, keys)`),
+    on each device, in the forward and backward passes of the model's first
+    steps (the model's own ops, in its name scope: a model trained before
+    it in the process may show too)."""
     own = re.compile(rf"(^|/){re.escape(model.name)}(_\d+)?/")
     return {
         shape
@@ -57,7 +58,7 @@ def per_device_score_shapes(model, op: str = "Exp") -> set:
         for node in partition.node
         if node.op.endswith(op) and re.search("attention|attn", node.name) and own.search(node.name)
         and node.attr["_output_shapes"].list.shape
-        and len(shape := tuple(dim.size for dim in node.attr["_output_shapes"].list.shape[0].dim)) == 4
+        and len(shape := tuple(dim.size for dim in node.attr["_output_shapes"].list.shape[0].dim)) in (4, 5)
     }
 
 
@@ -142,11 +143,25 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     # block of keys at a time (with the running maximum's rescaling).
     every_key = per_device_score_shapes(model, "Softmax")
     if name == "GPT2Backbone":
-        assert every_key and {shape[2:] for shape in every_key} == {(SEQUENCE // 2, SEQUENCE)}, every_key
+        assert every_key and {shape[-2:] for shape in every_key} == {(SEQUENCE // 2, SEQUENCE)}, every_key
         return
     assert not every_key, every_key
-    blocks = {shape[2:] for shape in per_device_score_shapes(model)}
+    blocks = {shape[-2:] for shape in per_device_score_shapes(model)}
     assert blocks == {(SEQUENCE // 2, SEQUENCE // 2), (SEQUENCE // 2, 1)}, blocks
+
+
+def test_relative_attention_computes_with_its_sequence_whole():
+    """DeBERTa-v3's disentangled attention scores each query against
+    embeddings of its distance to each key, gathered by relative position
+    over the whole sequence (DTensor's reshapes of them stopped): under
+    context parallelism it computes with its inputs whole, every device's
+    softmax over every query and key, and lays its output out split again,
+    with one device's numbers."""
+    model = hub_classifier_like_one_device("DebertaV3Backbone")
+    laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
+    assert laid_out["disentangled_attention_encoder_layer_0/self_attention_layer"][1] == SPLIT, laid_out
+    scores = {shape[-2:] for shape in per_device_score_shapes(model, "Softmax")}
+    assert scores == {(SEQUENCE, SEQUENCE)}, scores
 
 
 def token_regression_layouts(middle, path_part: str) -> list:
@@ -240,7 +255,7 @@ def test_keras_hub_linear_attention_with_context_parallelism_matches_one_device(
     assert {"transformer_layer_0/linear_attn", "transformer_layer_1/self_attention"} <= set(laid_out), laid_out
     assert all(axes == SPLIT for _, axes in laid_out.values())
     assert not per_device_score_shapes(model, "Softmax")
-    full_attention = {shape[2:] for shape in per_device_score_shapes(model) if shape[2] == SEQUENCE // 2}
+    full_attention = {shape[-2:] for shape in per_device_score_shapes(model) if shape[-2] == SEQUENCE // 2}
     assert full_attention == {(SEQUENCE // 2, SEQUENCE // 2), (SEQUENCE // 2, 1)}, full_attention
 
 
@@ -253,6 +268,9 @@ def test_keras_hub_linear_attention_with_context_parallelism_matches_one_device(
         ("GPTNeoXBackbone", dict(num_heads=4, max_sequence_length=16, rotary_percentage=0.5, dropout=0.1)),
         # Gemma 2's soft cap, which Keras' op takes on JAX's TPUs only.
         ("GemmaBackbone", dict(head_dim=4, attention_logit_soft_cap=50.0)),
+        # Gemma's own path drops out its probabilities, with Keras' einsums
+        # (`tfmp.lowering.arrays.einsum`) over 5-D scores.
+        ("GemmaBackbone", dict(head_dim=4, dropout=0.1)),
     ],
 )
 def test_keras_hub_attention_keeps_its_own_softmax_where_the_fused_path_differs(name, config):
@@ -279,7 +297,7 @@ def test_keras_hub_attention_keeps_its_own_softmax_where_the_fused_path_differs(
         batch_size=4,
         steps=4,
     )
-    assert {shape[2:] for shape in per_device_score_shapes(model, "Softmax")} == {(SEQUENCE // 2, SEQUENCE)}
+    assert {shape[-2:] for shape in per_device_score_shapes(model, "Softmax")} == {(SEQUENCE // 2, SEQUENCE)}
 
 
 def test_keras_hub_finds_no_fused_attention_op_on_tensorflow():
@@ -475,18 +493,20 @@ def test_a_sequence_that_does_not_divide_is_a_named_error():
 
 
 def test_a_model_context_parallelism_cannot_split_yet_says_to_turn_it_off():
-    """DeBERTa-v3: its disentangled attention transposes scores split over
-    the sequence, a `Transpose` DTensor cannot expand, at the first step
-    (docs/tensor-parallel.md names the models known so). The error says
-    what to try first."""
+    """XLNet: DTensor's collectives fail on a reshape (DTensor's own
+    "'tf.Reshape' op requires 'output' number of elements to match") at the
+    first step (docs/tensor-parallel.md names the models known so). The
+    error says what to try first."""
+    import numpy as np
     from hub_backbones import pooled_classifier, pooled_classifier_data
 
     with context_parallel_strategy(lambda mesh: "auto", context_parallel="sequence").scope():
-        model = pooled_classifier("DebertaV3Backbone")
+        model = pooled_classifier("XLNetBackbone")
         model.compile(optimizer="adam", loss="mse")
     x, y = pooled_classifier_data()
+    x["segment_ids"] = np.zeros_like(x["token_ids"])
     with pytest.raises(
-        ValueError, match=r"Transpose(.|\n)*context_parallel splits this model's sequences over mesh axis "
+        ValueError, match=r"Reshape(.|\n)*context_parallel splits this model's sequences over mesh axis "
         r"'sequence'(.|\n)*train with context_parallel=False"
     ):
         model.fit(x, y, batch_size=4, verbose=0)

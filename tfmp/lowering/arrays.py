@@ -1,4 +1,4 @@
-"""Triangles, sorts and transposes written with ops DTensor lays out.
+"""Triangles, sorts, transposes and products written with ops DTensor lays out.
 
 - `tril`/`triu` are `MatrixBandPart`, which DTensor has no layout rule for
   ("'tf.MatrixBandPart' op does not implement layout propagation"): a causal
@@ -30,6 +30,13 @@
   does too, but everywhere on a mesh it made the demo LM under sequence
   parallelism stop: DTensor's RelayoutLike "output layout ... does not
   match".)
+- Keras' `einsum` rewrites the subscripts it knows into transposes and
+  reshapes around a matmul. Under context parallelism those transposes
+  met scores split over the sequence and asked for another split than
+  their input's, permuted (Gemma's own attention, with dropout on its
+  probabilities, whose masks DTensor laid out so): there an einsum of
+  floating operands is TensorFlow's `Einsum` op itself, which DTensor lays
+  out as its consumers ask.
 """
 
 from __future__ import annotations
@@ -126,6 +133,20 @@ def matmul(x1: Any, x2: Any) -> tf.Tensor:
     return tf.linalg.matmul(x1, x2)
 
 
+def einsum(subscripts: str, *operands: Any, **kwargs: Any) -> tf.Tensor:
+    """`keras.ops.einsum`; under context parallelism, of floating operands
+    of one dtype, TensorFlow's `Einsum` op itself."""
+    operands = [convert_to_tensor(operand) for operand in operands]
+    if (
+        context.sequences_split_by != "context_parallel"
+        or kwargs
+        or len({operand.dtype for operand in operands}) != 1
+        or not operands[0].dtype.is_floating
+    ):
+        return keras_original(_KERAS_NUMPY, "einsum")(subscripts, *operands, **kwargs)
+    return tf.einsum(subscripts, *operands)
+
+
 LOWERINGS = (
     Lowering(
         _KERAS_NUMPY,
@@ -166,5 +187,12 @@ LOWERINGS = (
         matmul,
         "tensordot reshapes the leading dimensions into rows, for which DTensor "
         "gathers a sequence that context parallelism splits",
+    ),
+    Lowering(
+        _KERAS_NUMPY,
+        "einsum",
+        einsum,
+        "Keras rewrites einsums into transposes and reshapes around a matmul; Transpose "
+        "refuses a result laid out other than its input, permuted (a split sequence)",
     ),
 )

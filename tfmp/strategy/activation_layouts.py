@@ -29,6 +29,7 @@ from tfmp.strategy.sequence_parallel import (
     is_embedding,
     keys_and_values_whole,
     sequence_axes,
+    splits_queries,
 )
 from tfmp.strategy.strategy import ModelParallelStrategy
 
@@ -137,10 +138,10 @@ def _whole_keys_and_values(layer: Any, batch_axis: str | None, axis: str, mesh: 
     """While the block runs, the attention layer's `_compute_attention` gets
     its key and value whole over `axis` (`keys_and_values_whole`); yields
     whether the layer has that method."""
-    compute_attention = getattr(layer, "_compute_attention", None)
-    if not callable(compute_attention):
+    if not splits_queries(layer):
         yield False
         return
+    compute_attention = layer._compute_attention  # noqa: SLF001
     heads_axis = _heads_axis(layer, batch_axis, axis)
 
     def gather(value: Any) -> Any:

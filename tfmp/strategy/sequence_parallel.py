@@ -131,6 +131,33 @@ def sequence_axes(
     return (batch_axis, axis, None)
 
 
+# Parameters of an attention layer's `_compute_attention` after its query,
+# key and value (Keras', KerasHub's) that carry no positions of their own.
+_MASKS_AND_FLAGS = frozenset(
+    {"attention_mask", "training", "cache_update_index", "start_index", "use_causal_mask",
+     "return_attention_scores", "kwargs"}
+)
+
+
+def splits_queries(layer: Any) -> bool:
+    """Whether context parallelism can split an attention layer's queries:
+    its `call` computes the scores through `_compute_attention(query, key,
+    value, ...)`, whose other parameters are masks and flags.
+
+    A relative attention computes each query's scores against positions
+    relative to it, by shifts and gathers over the whole sequence that
+    DTensor cannot split (its `Reshape`s stop): XLNet's calls a method of its
+    own, DeBERTa-v3's `_compute_attention` takes relative position
+    embeddings. Such a layer computes with its inputs whole."""
+    compute_attention = getattr(layer, "_compute_attention", None)
+    if not callable(compute_attention):
+        return False
+    call = inspect.unwrap(type(layer).call)
+    if "_compute_attention" not in getattr(getattr(call, "__code__", None), "co_names", ("_compute_attention",)):
+        return False
+    return set(list(inspect.signature(compute_attention).parameters)[3:]) <= _MASKS_AND_FLAGS
+
+
 def keys_and_values_whole(
     compute_attention: Callable, whole: Callable[[tf.Tensor], tf.Tensor]
 ) -> Callable:
