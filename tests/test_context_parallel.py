@@ -150,18 +150,28 @@ def test_keras_hub_backbone_with_context_parallelism_matches_one_device(name):
     assert blocks == {(SEQUENCE // 2, SEQUENCE // 2), (SEQUENCE // 2, 1)}, blocks
 
 
-def test_relative_attention_computes_with_its_sequence_whole():
-    """DeBERTa-v3's disentangled attention scores each query against
+@pytest.mark.parametrize(
+    "name, attention",
+    [
+        ("DebertaV3Backbone", "disentangled_attention_encoder_layer_0/self_attention_layer"),
+        ("ESMBackbone", "transformer_layer_0/attention_layer"),
+    ],
+)
+def test_attention_computed_with_its_sequence_whole_matches_one_device(name, attention):
+    """Attention that context parallelism cannot split by its queries
+    computes with its inputs whole, every device's scores over every query
+    (Keras' softmax, or KerasHub's fused path a block of keys at a time),
+    and lays its output out split again, with one device's numbers.
+    DeBERTa-v3's disentangled attention scores each query against
     embeddings of its distance to each key, gathered by relative position
-    over the whole sequence (DTensor's reshapes of them stopped): under
-    context parallelism it computes with its inputs whole, every device's
-    softmax over every query and key, and lays its output out split again,
-    with one device's numbers."""
-    model = hub_classifier_like_one_device("DebertaV3Backbone")
+    over the whole sequence (DTensor's reshapes of them stopped). ESM's has
+    no `_compute_attention`; its inputs, laid out whole, keep DTensor's
+    gradient (an explicit one made its `RelayoutLike` fail)."""
+    model = hub_classifier_like_one_device(name)
     laid_out = model.distribute_strategy.layout_map.laid_out_outputs()
-    assert laid_out["disentangled_attention_encoder_layer_0/self_attention_layer"][1] == SPLIT, laid_out
-    scores = {shape[-2:] for shape in per_device_score_shapes(model, "Softmax")}
-    assert scores == {(SEQUENCE, SEQUENCE)}, scores
+    assert laid_out[attention][1] == SPLIT, laid_out
+    queries = {shape[-2] for op in ("Softmax", "Exp") for shape in per_device_score_shapes(model, op)}
+    assert queries == {SEQUENCE}, queries
 
 
 def token_regression_layouts(middle, path_part: str) -> list:

@@ -59,7 +59,10 @@ def laid_out_call(layer: Any, layer_call: Callable, args: tuple, kwargs: dict) -
         if attention:
             inputs_axis = axis if queries_split else None
             args, kwargs = tf.nest.map_structure(
-                lambda value: _sequence_inputs(value, strategy.batch_axis, inputs_axis, mesh), (args, kwargs)
+                lambda value: _sequence_inputs(
+                    value, strategy.batch_axis, inputs_axis, mesh, whole_gradient=option == "sequence_parallel"
+                ),
+                (args, kwargs),
             )
         outputs = layer_call(layer, *args, **kwargs)
     path = "/".join(filter(None, (current_path(), layer.name)))
@@ -180,22 +183,27 @@ def _heads_axis(layer: Any, batch_axis: str | None, sequence_axis: str) -> str |
     return axes.pop() if len(axes) == 1 else None
 
 
-def _sequence_inputs(value: Any, batch_axis: str | None, sequence_axis: str | None, mesh: Any) -> Any:
+def _sequence_inputs(
+    value: Any, batch_axis: str | None, sequence_axis: str | None, mesh: Any, whole_gradient: bool = False
+) -> Any:
     """An attention layer's `(batch, sequence, features)` floating input with
     its sequence split over `sequence_axis` where it divides (else whole: the
     layer's output then names the length), or whole for None; other values
     as they are.
 
-    Laid out whole, its gradient is whole too: DTensor's own gradient of the
-    relayout (`RelayoutLike`) failed its layout check under sequence
-    parallelism at ALBERT's first step, where attention reads a projection
-    of the embeddings' split norm and dropout."""
+    With `whole_gradient` (sequence parallelism), laid out whole, its
+    gradient is whole too: DTensor's own gradient of the relayout
+    (`RelayoutLike`) failed its layout check at ALBERT's first step, where
+    attention reads a projection of the embeddings' split norm and dropout.
+    Under context parallelism such an explicit gradient made ESM's
+    `RelayoutLike` fail instead (its attention computes whole), so there
+    DTensor's stays."""
     if not isinstance(value, tf.Tensor) or value.shape.rank != 3 or not value.dtype.is_floating:
         return value
     length = value.shape[1]
     if sequence_axis is not None and (length is None or length % mesh.dim_size(sequence_axis)):
         sequence_axis = None
-    if sequence_axis is None:
+    if sequence_axis is None and whole_gradient:
         whole = traced_layout(value, (batch_axis, None, None), mesh, batch_axis)
         return _with_mask_of(value, relayout_with_gradient(value, whole, whole))
     return _with_mask_of(value, distribute_tensor(value, (batch_axis, sequence_axis, None)))
