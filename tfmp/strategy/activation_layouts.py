@@ -140,7 +140,7 @@ def _with_mask_of(tensor: tf.Tensor, laid_out: tf.Tensor) -> tf.Tensor:
 def _whole_keys_and_values(layer: Any, batch_axis: str | None, axis: str, mesh: Any) -> Iterator[bool]:
     """While the block runs, the attention layer's `_compute_attention` gets
     its key and value whole over `axis` (`keys_and_values_whole`); yields
-    whether the layer has that method."""
+    whether its queries are split (`splits_queries`)."""
     if not splits_queries(layer):
         yield False
         return

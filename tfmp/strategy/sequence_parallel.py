@@ -23,10 +23,12 @@ causal and padding masks included: 1/N of the `(sequence, sequence)` scores,
 or, where attention runs `keras.ops.dot_product_attention`, a block of keys
 at a time, keeping none (`tfmp.lowering.attention`). A layer that mixes
 positions without a `_compute_attention(query, key, value, ...)` method
-(some KerasHub encoders' attention, Qwen 3.5's linear attention, RWKV-7's
-time mixing) computes with its inputs whole and its output's gradient
-whole, and lays its output out split again: exact, without the memory
-saving.
+its call computes through (some KerasHub encoders' attention, XLNet's
+relative attention, Qwen 3.5's linear attention, RWKV-7's time mixing), or
+whose method takes positions of its own (DeBERTa-v3's relative position
+embeddings: `splits_queries`), computes with its inputs whole and its
+output's gradient whole, and lays its output out split again: exact,
+without the memory saving.
 """
 
 from __future__ import annotations
