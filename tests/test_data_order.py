@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import SEED, BatchLosses, assert_weights_close, rules, run_in_fresh_process, strategy_on
-from tfmp.strategy.input import _without_autotune
+from tfmp.strategy.graph_input import without_autotune
 
 ROWS = 37  # batches of 8: the last has 5 rows, which a batch axis of 2 does not split
 BATCH = 8
@@ -384,11 +384,11 @@ def test_host_pipeline_reads_without_autotuning_unless_its_options_say():
     tf.data's autotuning on it took 0.2-2.6 s (docs/performance.md), so the
     pipeline tfmp reads runs with it off, unless the user's options set it."""
     dataset = tf.data.Dataset.range(ROWS).map(features, num_parallel_calls=tf.data.AUTOTUNE).batch(BATCH)
-    untuned = _without_autotune(dataset)
+    untuned = without_autotune(dataset)
     assert untuned.options().autotune.enabled is False
     assert [x.numpy().tolist() for x, _ in untuned] == [x.numpy().tolist() for x, _ in dataset]
     for enabled in (True, False):
         options = tf.data.Options()
         options.autotune.enabled = enabled
         chosen = dataset.with_options(options)
-        assert _without_autotune(chosen).options().autotune.enabled is enabled
+        assert without_autotune(chosen).options().autotune.enabled is enabled

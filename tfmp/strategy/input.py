@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tfmp.integrations.internals import distribute_types, input_lib
 from tfmp.strategy.graph_capture import FirstStepGraphs
-from tfmp.strategy.graph_input import GraphBatches
+from tfmp.strategy.graph_input import GraphBatches, without_autotune
 from tfmp.strategy.placement import BatchPlacer, pack
 from tfmp.strategy import small_batch_values, stacked_batches
 
@@ -398,7 +398,7 @@ class OnDemandDataset:
     """
 
     def __init__(self, dataset: tf.data.Dataset, placer: BatchPlacer, first_step_graphs: FirstStepGraphs):
-        self._dataset = _without_autotune(dataset)
+        self._dataset = without_autotune(dataset)
         self._placer = placer
         self._first_step_graphs = first_step_graphs
 
@@ -407,22 +407,6 @@ class OnDemandDataset:
         with tf.device(_HOST):
             host_iterator = iter(self._dataset)
         return OnDemandIterator(host_iterator, self._placer, known_length, self._first_step_graphs)
-
-
-def _without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """`dataset` with tf.data's autotuning off, unless its options set it.
-
-    An iterator read one element at a time beside the mesh's steps, with
-    autotuning on, took 170-275 ms to close after a `fit` of ten 40 ms steps
-    and up to 2.6 s after a first step (plain Keras: 2 ms): each `fit`,
-    `evaluate` and `predict` ended that much later. Off, it closes in 2 ms;
-    `AUTOTUNE` settings then take tf.data's fixed defaults (a parallel
-    `map`: the cores)."""
-    if dataset.options().autotune.enabled is not None:
-        return dataset
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return dataset.with_options(options)
 
 
 class OnDemandIterator:
