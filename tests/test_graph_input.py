@@ -184,23 +184,27 @@ def test_next_in_a_graph_with_several_clients_is_refused_by_name(monkeypatch):
         tf.function(lambda: next(iterator))()
 
 
-def test_a_graph_loops_device_iterators_read_without_a_prefetch_thread():
+def test_a_graph_loops_iterators_read_without_tf_data_autotuning():
     """Each device's iterator of a graph loop reads its shard from the
-    multi-device iterator when the step asks, with no prefetch of its own.
-    With a prefetch per device and tf.data's autotuning on the host
-    pipeline, closing the iterators waited for autotuning threads: one
+    multi-device iterator when the step asks, with no prefetch and no
+    tf.data autotuning of its own, as do the host pipeline (unless its
+    options set it) and tfmp's part of it. Closing an iterator waits for its
+    autotuning thread: with them, one
     Python garbage collection after this file's first two tests held the
-    main thread 79 s, and three programs like the first test, collected after
-    each, waited up to 9.6 s (now 0.3 s each; docs/custom-loops.md)."""
+    main thread 79 s alone and 192 s with the cores loaded
+    (docs/custom-loops.md)."""
     strategy = tfmp.ModelParallelStrategy(mesh((8, 1)))
     dataset = tf.data.Dataset.from_tensor_slices(DATA[0]).batch(GLOBAL_BATCH_SIZE, drop_remainder=True)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     first = tf.function(lambda: strategy.run(tf.reduce_sum, args=(next(iterator),)))()
     np.testing.assert_allclose(strategy.reduce("SUM", first, axis=None), DATA[0][:8].sum(), rtol=1e-5)
-    device_iterators = iterator._graph_batches._iterator._device_iterators  # noqa: SLF001
+    assert iterator._host_iterator._dataset.options().autotune.enabled is False  # noqa: SLF001
+    _, device_iterators = iterator._graph_batches._iterators  # noqa: SLF001
     assert len(device_iterators) == 8
     for device_iterator in device_iterators:
-        assert type(device_iterator._dataset).__name__ == "_ReincarnatedPerDeviceGenerator"  # noqa: SLF001
+        device_dataset = device_iterator._dataset  # noqa: SLF001
+        assert device_dataset.options().autotune.enabled is False
+        assert type(device_dataset._input_dataset).__name__ == "_ReincarnatedPerDeviceGenerator"  # noqa: SLF001
 
 
 def test_fit_with_steps_per_execution_runs_its_steps_in_a_loop_as_one_device(monkeypatch):

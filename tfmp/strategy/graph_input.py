@@ -62,14 +62,14 @@ class GraphBatches:
                 self._shapes = [_empty_shape(spec) for spec in specs]
             else:
                 self._shapes = [leaf.shape for leaf in tf.nest.flatten(first)]
-            # The multi-device iterator owns the devices' iterators the resource packs.
-            self._iterator, self._resource = self._device_iterators(host_iterator, first)
+            # Kept: the multi-device iterator and the devices' iterators the resource packs.
+            self._iterators, self._resource = self._device_iterators(host_iterator, first)
 
     def _splits(self, shape: tf.TensorShape) -> bool:
         parts = self._placer.batch_parts
         return bool(shape.rank) and parts > 1 and shape[0] % parts == 0
 
-    def _device_iterators(self, host_iterator: Iterator, first: Any) -> tuple[Any, tf.Tensor]:
+    def _device_iterators(self, host_iterator: Iterator, first: Any) -> tuple[tuple[Any, list], tf.Tensor]:
         host_mesh = self._mesh.host_mesh()
         positions = [
             location[self._placer.batch_axis] if self._placer.batch_axis else 0
@@ -108,24 +108,27 @@ class GraphBatches:
         elements = host_batches.flat_map(device_elements).concatenate(
             tf.data.Dataset.from_tensors(self._end_element()).repeat()
         )
-        # With tf.data's autotuning and a prefetch per device, closing these
-        # iterators waited for autotuning threads, up to 79 s in one garbage
-        # collection; without either it takes 0.3 s.
+        devices = host_mesh.local_devices()
         iterator = multi_device_iterator_ops.OwnedMultiDeviceIterator(
-            without_autotune(elements),
-            host_mesh.local_devices(),
-            prefetch_buffer_size=0,
-            source_device=_HOST,
+            without_autotune(elements), devices, prefetch_buffer_size=0, source_device=_HOST
         )
+        # Each device's iterator again, over its dataset without tf.data's
+        # autotuning (the multi-device iterator's own, never read, start no
+        # thread): closing an iterator waits for its autotuning thread, which
+        # held a garbage collection for minutes on a loaded machine.
+        device_iterators = []
+        for device, device_iterator in zip(devices, iterator._device_iterators):  # noqa: SLF001
+            with tf.device(device):
+                device_iterators.append(iter(without_autotune(device_iterator._dataset)))  # noqa: SLF001
         resource = dtensor.pack(
-            [it._iterator_resource for it in iterator._device_iterators],  # noqa: SLF001
+            [it._iterator_resource for it in device_iterators],  # noqa: SLF001
             dtensor.Layout.replicated(host_mesh, 0),
         )
         # DTensor's own dataset sets its elements' layouts this way.
         dtensor_api._dtensor_device().set_iterator_element_layouts(  # noqa: SLF001
             resource, self._layouts(host_mesh)
         )
-        return iterator, resource
+        return (iterator, device_iterators), resource
 
     def _layouts(self, mesh: dtensor.Mesh) -> list[dtensor.Layout]:
         """The layout of each tensor of an element (its kind first) on `mesh`."""
@@ -238,12 +241,14 @@ def _local_shape(shape: tf.TensorShape, parts: int) -> list[int]:
 def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """`dataset` with tf.data's autotuning off, unless its options set it.
 
-    An iterator read one element at a time beside the mesh's steps, with
-    autotuning on, took 170-275 ms to close after a `fit` of ten 40 ms steps
-    and up to 2.6 s after a first step (plain Keras: 2 ms): each `fit`,
-    `evaluate` and `predict` ended that much later. Off, it closes in 2 ms;
-    `AUTOTUNE` settings then take tf.data's fixed defaults (a parallel
-    `map`: the cores)."""
+    Closing an iterator with autotuning on waits for its autotuning thread.
+    An iterator read one element at a time beside the mesh's steps took
+    170-275 ms to close after a `fit` of ten 40 ms steps and up to 2.6 s
+    after a first step (plain Keras: 2 ms); the iterators of graph loops,
+    collected by Python's garbage collector, held it 79 s alone and minutes
+    with the cores loaded. Off, they close in milliseconds; `AUTOTUNE`
+    settings then take tf.data's fixed defaults (a parallel `map`: the
+    cores)."""
     if dataset.options().autotune.enabled is not None:
         return dataset
     options = tf.data.Options()

@@ -113,7 +113,7 @@ class MeshDataset(distribute_types.Iterable):
         # tf_keras iterates inside the strategy's scope, whose default device
         # is the mesh: the host pipeline must stay on the host.
         with tf.device(_HOST):
-            host_iterator = iter(self._dataset)
+            host_iterator = iter(without_autotune(self._dataset))
         return MeshIterator(
             host_iterator,
             self._placer,
