@@ -189,10 +189,9 @@ def test_a_graph_loops_iterators_read_without_tf_data_autotuning():
     multi-device iterator when the step asks, with no prefetch and no
     tf.data autotuning of its own, as do the host pipeline (unless its
     options set it) and tfmp's part of it. Closing an iterator waits for its
-    autotuning thread: with them, one
-    Python garbage collection after this file's first two tests held the
-    main thread 79 s alone and 192 s with the cores loaded
-    (docs/custom-loops.md)."""
+    autotuning thread: with them, one Python garbage collection after this
+    file's first two tests held the main thread 79 s alone and 192 s with
+    the cores loaded (docs/custom-loops.md)."""
     strategy = tfmp.ModelParallelStrategy(mesh((8, 1)))
     dataset = tf.data.Dataset.from_tensor_slices(DATA[0]).batch(GLOBAL_BATCH_SIZE, drop_remainder=True)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
