@@ -10,7 +10,7 @@ numbers). The models are built by this checkout's bench/model_zoo.py on
 both sides; only the tfmp imported differs.
 
     git worktree add /tmp/baseline <commit>
-    python bench/against_checkout.py --baseline /tmp/baseline --models lstm,gru [--rounds 2]
+    python bench/against_checkout.py --baseline /tmp/baseline --models lstm,gru [--rounds 2] [--seq-len 128]
 
 docs/performance.md has the numbers of the runs it made.
 """
@@ -29,7 +29,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 WARM_STEPS, TIMED_STEPS = 4, 24
 
 
-def child(model_name: str, shape: str, quick: bool) -> dict:
+def child(model_name: str, shape: str, quick: bool, seq_len: int | None) -> dict:
+    import dataclasses
     import time
 
     import tfmp
@@ -42,6 +43,8 @@ def child(model_name: str, shape: str, quick: bool) -> dict:
     import model_zoo
 
     size = model_zoo.QUICK if quick else model_zoo.FULL
+    if seq_len:
+        size = dataclasses.replace(size, seq_len=seq_len)
     batch = model_zoo.BATCH
     keras.utils.set_random_seed(model_zoo.SEED)
     mesh_shape = tuple(int(s) for s in shape.split("x"))
@@ -73,9 +76,10 @@ def child(model_name: str, shape: str, quick: bool) -> dict:
             "loss": history.history["loss"][-1]}
 
 
-def run(tree: pathlib.Path, model_name: str, shape: str, quick: bool) -> dict:
+def run(tree: pathlib.Path, model_name: str, shape: str, quick: bool, seq_len: int | None) -> dict:
     environment = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, __file__, "--child", model_name, shape] + (["--quick"] if quick else [])
+    command += ["--seq-len", str(seq_len)] if seq_len else []
     result = subprocess.run(command, env=environment, cwd=tree, capture_output=True, text=True,
                             timeout=1200)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
@@ -91,10 +95,11 @@ def main() -> None:
     parser.add_argument("--models", default="lstm,gru", help="bench/model_zoo.py's model names")
     parser.add_argument("--meshes", default="8x1,2x4", help="e.g. 8x1,2x4,1x1")
     parser.add_argument("--quick", action="store_true", help="the zoo's tiniest sizes")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the zoo's)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
-        print(json.dumps(child(*options.child, options.quick)))
+        print(json.dumps(child(*options.child, options.quick, options.seq_len)))
         return
     if options.baseline is None:
         parser.error("--baseline: give another checkout of tfmp to compare with (git worktree add ...)")
@@ -105,7 +110,7 @@ def main() -> None:
             for round_ in range(options.rounds):
                 order = list(trees) if round_ % 2 == 0 else list(trees)[::-1]
                 for name in order:
-                    runs[name].append(run(trees[name], model_name, shape, options.quick))
+                    runs[name].append(run(trees[name], model_name, shape, options.quick, options.seq_len))
             for measure, unit in (("step_ms", "ms"), ("first_s", "s")):
                 this, base = (statistics.median(r[measure] for r in runs[n]) for n in trees)
                 print(f"{model_name} {shape} {measure}: this {this:.2f} {unit}, baseline {base:.2f} "

@@ -26,6 +26,7 @@ from tfmp.forward import forward_on
 from tfmp.layout import replicated
 from tfmp.lowering import rnn as rnn_lowering
 from tfmp.lowering import rnn_loop
+from tfmp.lowering import time_steps as time_steps_module
 from tfmp.lowering.registry import keras_original
 
 SEQ, FEATURES, BATCH = 3, 3, 12  # 3 training steps of 4 rows
@@ -103,6 +104,43 @@ def test_rnn_matches_keras_loop(go_backwards, masked, zero_output_for_mask, retu
         np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("go_backwards", [False, True], ids=["forward", "backwards"])
+@pytest.mark.parametrize("time_steps", [5, 8], ids=["whole_blocks", "short_last_block"])
+def test_long_recurrences_run_in_blocks_as_keras_loop(time_steps, go_backwards, monkeypatch):
+    """A long loop runs in blocks of about sqrt(time) steps
+    (`tfmp.lowering.time_steps`), here from 5 and 8 time steps on: blocks of
+    2 and 3 steps after the first, the last block of 8 steps one step
+    short. Masked sequences off a mesh against Keras' loop, outputs and
+    gradients, in float64 to 1e-12 as `test_rnn_matches_keras_loop`."""
+    sizes = []
+    block_size = time_steps_module._block_size
+    monkeypatch.setattr(time_steps_module, "_LONGEST_UNBLOCKED", 0)
+    monkeypatch.setattr(time_steps_module, "_block_size", lambda steps: sizes.append(block_size(steps)) or sizes[-1])
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(size=(3, time_steps, 2)), tf.float64)
+    mask = tf.constant(rng.random((3, time_steps)) > 0.3)
+    kernel = tf.Variable(rng.normal(size=(2, 2)), dtype=tf.float64)
+    initial_states = [tf.constant(rng.normal(size=(3, 2)), tf.float64)]
+
+    def step(inputs, states):
+        output = tf.tanh(inputs @ kernel + states[0])
+        return output, [output]
+
+    @tf.function
+    def run(rnn):
+        with tf.GradientTape() as tape:
+            tape.watch([x, *initial_states])
+            last, outputs, states = rnn(step, x, initial_states, go_backwards=go_backwards, mask=mask)
+            loss = tf.reduce_sum(last) + tf.reduce_sum(outputs * outputs) + 3.0 * tf.reduce_sum(states[0])
+        return [last, outputs, *states], tape.gradient(loss, [x, kernel, *initial_states])
+
+    want, want_gradients = run(importlib.import_module("keras.src.backend.tensorflow.rnn").rnn)
+    got, got_gradients = run(rnn_lowering.rnn)
+    assert sizes == [{5: 2, 8: 3}[time_steps]] * 2  # forward and backward
+    for expected, actual in zip(want + want_gradients, got + got_gradients, strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=1e-12)
+
+
 def _traced_gradient(rnn, time_steps: int, step) -> tf.Graph:
     def gradient(x):
         with tf.GradientTape() as tape:
@@ -124,10 +162,13 @@ def _loops(graph: tf.Graph) -> int:
 
 def test_recurrence_is_one_loop_whatever_its_length():
     """The traced step and its gradient do not grow with the sequence: two
-    loops (forward, and backward in the gradient) of one step each."""
+    loops (forward, and backward in the gradient) of one step each, or over
+    48 time steps two loops of blocks of steps."""
 
-    sizes = {steps: len(_traced_gradient(rnn_lowering.rnn, steps, _elman).get_operations()) for steps in (4, 32)}
-    assert sizes[4] == sizes[32], sizes
+    sizes = {
+        steps: len(_traced_gradient(rnn_lowering.rnn, steps, _elman).get_operations()) for steps in (4, 32, 128, 512)
+    }
+    assert sizes[4] == sizes[32] and sizes[128] == sizes[512], sizes
     assert _loops(_traced_gradient(rnn_lowering.rnn, 4, _elman)) == 1  # the gradient's loop is in a function
 
 
@@ -277,6 +318,34 @@ def test_lstm_and_gru_split_on_gate_units_run_gate_by_gate(monkeypatch):
     collectives = tfmp.comm_report(model, print_fn=lambda text: None).collectives
     in_loops = [c for c in collectives if "while/" in c.op]
     assert len(in_loops) == 3 * 3, [c.op for c in in_loops]
+
+
+@pytest.mark.parametrize(
+    "build,layout_map,mesh_shape",
+    [
+        (lambda: build_two_layer(keras.layers.GRU), rules(GRU_GATES), (8, 1)),
+        (build_gate_wise, lambda mesh: "auto", (2, 4)),
+    ],
+    ids=["gru-8x1", "gate_wise-2x4"],
+)
+def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shape, monkeypatch):
+    """Loops in blocks on a mesh (`tfmp.lowering.time_steps`, here from 6
+    time steps on: two blocks of 3 steps after the first, the second one
+    short): GRUs over a split batch, whose backward loop also writes what
+    flows into each step for the weights' gradient after it, and gate-wise
+    GRUs (one backwards) and an LSTM with their gate units split over
+    "model". Masked sequences, 17 rows at batch 8 (a last batch of 1, traced
+    with an unknown batch and so unrolled)."""
+    sizes = []
+    block_size = time_steps_module._block_size
+    monkeypatch.setattr(time_steps_module, "_LONGEST_UNBLOCKED", 0)
+    monkeypatch.setattr(time_steps_module, "_block_size", lambda steps: sizes.append(block_size(steps)) or sizes[-1])
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(1, 10, size=(17, SEQ * 2)).astype("int32")
+    tokens[::3, 4:] = 0
+    y = rng.normal(size=(17, 2)).astype("float32")
+    assert_parity(build, layout_map, tokens, y, mesh_shape=mesh_shape, steps=3, batch_size=8)
+    assert 3 in sizes
 
 
 @pytest.mark.parametrize("layer", [keras.layers.GRU, _gru_with_dropout], ids=["gru", "gru_dropout"])

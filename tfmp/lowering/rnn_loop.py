@@ -3,9 +3,10 @@
 Keras' loop keeps its steps in TensorArrays, and TensorFlow's gradient of any
 `tf.while_loop` keeps each step's intermediates in TensorLists; DTensor lays
 out neither. This loop keeps the outputs and the states entering each step in
-tensors of shape `(time, batch, ...)` (a step is read as a slice and written
-as a scatter of one row, ops DTensor lays out; against a one-hot of the time
-step where the number of steps is unknown when traced), and its
+tensors of shape `(time, batch, ...)` (`tfmp.lowering.time_steps`: a step is
+read as a slice and written as a scatter of one row, ops DTensor lays out,
+in blocks of steps over long sequences; against a one-hot of the time step
+where the number of steps is unknown when traced), and its
 gradient is a second loop, backwards over time, that runs the step again under
 a tape from the stored states and adds up what each step gives to the
 weights, the states and the inputs. The graph holds the step twice (forward
@@ -30,6 +31,8 @@ import tensorflow as tf
 from keras.src import tree
 from tensorflow.python.eager import record
 from tensorflow.python.framework import func_graph
+
+from tfmp.lowering.time_steps import over_time, read, time_buffer, written
 
 # Ops a step may hold that give the same values when run again.
 _REPEATABLE_STATEFUL_OPS = frozenset({"ReadVariableOp", "VarHandleOp", "DTensorLayout", "Relayout"})
@@ -94,19 +97,19 @@ def looped_rnn(
         states0 = list(arguments[n_in : n_in + n_states])
         step_constants = list(arguments[n_in + n_states :])
         steps = xs[0].shape[0] or tf.shape(xs[0])[0]
-        mask_at = (lambda t: None) if mask is None else (lambda t: _read(mask, t, steps))
+        mask_at = (lambda t: None) if mask is None else (lambda t: read(mask, t, steps))
 
-        first, states1 = cell([_read(x, 0, steps) for x in xs], states0, None, mask_at(0), step_constants)
-        outputs = _written(_time_buffer(steps, first), 0, first, steps)
-        entering = [_written(_time_buffer(steps, s), 0, s, steps) for s in states0]
+        first, states1 = cell([read(x, 0, steps) for x in xs], states0, None, mask_at(0), step_constants)
+        outputs = written(time_buffer(steps, first), 0, first, steps)
+        entering = [written(time_buffer(steps, s), 0, s, steps) for s in states0]
 
-        def forward(t, previous, states, outputs, entering):
-            entering = [_written(buffer, t, s, steps) for buffer, s in zip(entering, states)]
-            output, states = cell([_read(x, t, steps) for x in xs], states, previous, mask_at(t), step_constants)
-            return t + 1, output, states, _written(outputs, t, output, steps), entering
+        def forward(t, carry):
+            previous, states = carry
+            output, new_states = cell([read(x, t, steps) for x in xs], states, previous, mask_at(t), step_constants)
+            return (output, new_states), [output, *states]
 
-        _, last, final_states, outputs, entering = tf.while_loop(
-            lambda t, *_: t < steps, forward, (tf.constant(1), first, states1, outputs, entering)
+        (last, final_states), (outputs, *entering) = over_time(
+            1, steps, forward, (first, states1), [outputs, *entering]
         )
         results = (outputs, last, *final_states)
 
@@ -114,9 +117,9 @@ def looped_rnn(
             """What step `t` gives to its inputs, the states and the output
             entering it, its constants and `variables`."""
             first_step = isinstance(t, int)  # the loop's steps have a tensor `t`
-            step_inputs = [_read(x, t, steps) for x in xs]
-            states = [_read(buffer, t, steps) for buffer in entering]
-            previous = tf.zeros_like(last) if first_step else _read(outputs, t - 1, steps)
+            step_inputs = [read(x, t, steps) for x in xs]
+            states = [read(buffer, t, steps) for buffer in entering]
+            previous = tf.zeros_like(last) if first_step else read(outputs, t - 1, steps)
             watched = step_inputs + states + [previous] + step_constants
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(watched)
@@ -175,43 +178,42 @@ def looped_rnn(
         per_step_variables = [] if all_at_once else step_variables
 
         def backward(d_outputs, d_last, *d_final_states):
-            def step(t, d_output, d_states, d_xs, d_constants, d_variables, upstream):
-                d_output = d_output + _read(d_outputs, t, steps)
-                if all_at_once:
-                    upstream = [_written(u, t, g, steps) for u, g in zip(upstream, [d_output, *d_states])]
+            def step(t, carry):
+                d_output, d_states, d_constants, d_variables = carry
+                d_output = d_output + read(d_outputs, t, steps)
+                upstream = [d_output, *d_states] if all_at_once else []
                 d_inputs, d_states, d_previous, d_step_constants, d_step_variables = step_gradients(
                     t, d_output, d_states, per_step_variables
                 )
-                return (
-                    t - 1,
+                carry = (
                     d_previous,
                     d_states,
-                    [_written(d, t, g, steps) for d, g in zip(d_xs, d_inputs)],
                     [a + b for a, b in zip(d_constants, d_step_constants)],
                     [a + b for a, b in zip(d_variables, d_step_variables)],
-                    upstream,
                 )
+                return carry, d_inputs + upstream
 
-            start = (
-                steps - 1,
+            carry = (
                 d_last,
                 list(d_final_states),
-                [tf.zeros_like(x) for x in xs],
                 [tf.zeros_like(c) for c in step_constants],
                 [tf.zeros_like(v) for v in per_step_variables],
-                [tf.zeros_like(buffer) for buffer in [outputs, *entering]] if all_at_once else [],
             )
-            _, d_output, d_states, d_xs, d_constants, d_variables, upstream = tf.while_loop(
-                lambda t, *_: t > 0, step, start
+            buffers = [tf.zeros_like(x) for x in xs]
+            if all_at_once:
+                buffers += [tf.zeros_like(buffer) for buffer in [outputs, *entering]]
+            (d_output, d_states, d_constants, d_variables), buffers = over_time(
+                1, steps, step, carry, buffers, reverse=True
             )
-            d_output = d_output + _read(d_outputs, 0, steps)
+            d_xs, upstream = buffers[:n_in], buffers[n_in:]
+            d_output = d_output + read(d_outputs, 0, steps)
             d_inputs, d_states0, _, d_step_constants, d_step_variables = step_gradients(
                 0, d_output, d_states, per_step_variables
             )
-            d_xs = [_written(d, 0, g, steps) for d, g in zip(d_xs, d_inputs)]
+            d_xs = [written(d, 0, g, steps) for d, g in zip(d_xs, d_inputs)]
             d_constants = [a + b for a, b in zip(d_constants, d_step_constants)]
             if all_at_once:
-                upstream = [_written(u, 0, g, steps) for u, g in zip(upstream, [d_output, *d_states])]
+                upstream = [written(u, 0, g, steps) for u, g in zip(upstream, [d_output, *d_states])]
                 d_variables = all_steps_gradients(upstream)
             else:
                 d_variables = [a + b for a, b in zip(d_variables, d_step_variables)]
@@ -326,48 +328,9 @@ def _dropout_masks_as_rows(cells: list, steps: int) -> Iterator[None]:
             setattr(cell, name, mask)
 
 
-def _time_buffer(steps: Any, row: tf.Tensor) -> tf.Tensor:
-    """Zeros of shape `(steps, *row.shape)`."""
-    if isinstance(steps, int):
-        return tf.zeros([steps, *row.shape], row.dtype)
-    return tf.zeros(tf.concat([[steps], tf.shape(row)], 0), row.dtype)
-
-
-def _written(buffer: tf.Tensor, t: Any, value: tf.Tensor, steps: Any) -> tf.Tensor:
-    """`buffer` (time first, zero at time step `t`) with `value` at `t`: a
-    scatter of one row, which DTensor lays out with the row's layout, or,
-    where the number of time steps is unknown when traced, a sum against a
-    one-hot of `t` (see `_read`)."""
-    if buffer.shape[0] is not None:
-        return tf.tensor_scatter_nd_add(buffer, tf.reshape(t, [1, 1]), tf.expand_dims(value, 0))
-    one_hot = tf.one_hot(t, steps, dtype=value.dtype)
-    return buffer + tf.reshape(one_hot, [-1] + [1] * value.shape.rank) * tf.expand_dims(value, 0)
-
-
 def _expanded(mask: tf.Tensor, value: tf.Tensor) -> tf.Tensor:
     """`mask` with trailing dimensions of 1 to broadcast against `value` in
     `tf.where` (Keras' loop tiles it: the same values)."""
     for _ in range(value.shape.rank - mask.shape.rank):
         mask = tf.expand_dims(mask, -1)
     return mask
-
-
-def _read(buffer: tf.Tensor, t: Any, steps: Any) -> tf.Tensor:
-    """Time step `t` of `buffer` (time first).
-
-    A slice of static size, where the number of time steps is known when
-    traced: DTensor's `StridedSlice` refuses an index known only at run time,
-    and its `Slice` lays out one of unknown size wrongly. Where it is not
-    known, a sum against a one-hot of `t`, O(time) work per read: with slices
-    and scatters there, DTensor stops on the gradient of a reversed sequence
-    ("Reshape ... value shape is not static").
-    """
-    t = tf.math.floormod(t, steps)
-    row = buffer.shape[1:]
-    if buffer.shape[0] is not None:
-        begin = tf.concat([tf.reshape(t, [1]), tf.zeros([row.rank], t.dtype)], 0)
-        return tf.reshape(tf.slice(buffer, begin, [1, *row.as_list()]), row)
-    shape = [-1] + [1] * row.rank
-    if buffer.dtype == tf.bool:
-        return tf.reduce_any(tf.logical_and(buffer, tf.reshape(tf.one_hot(t, steps, True, False), shape)), 0)
-    return tf.reduce_sum(buffer * tf.reshape(tf.one_hot(t, steps, dtype=buffer.dtype), shape), 0)

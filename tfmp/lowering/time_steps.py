@@ -1,0 +1,144 @@
+"""Time-first buffers a loop reads and writes one time step at a time.
+
+A loop over time on a mesh keeps what each step gives in a tensor of shape
+`(time, batch, ...)`, written one row per step with ops DTensor lays out.
+TensorFlow's `TensorScatterAdd` copies its whole input for every write (its
+kernel offers the *updates'* buffer to the output, never the input's), so a
+loop writing one row per step copies `time` rows per step: `time**2` rows per
+sequence, which made a 2-layer LSTM over 128 tokens 3.7x slower than Keras'
+own loop on one device, and over 512 tokens a single buffer's writes took
+165 ms against 21 ms written in blocks. Ops that would write in place
+(`InplaceUpdate`, `ScatterNdNonAliasingAdd`) have no DTensor layout rule, and
+DTensor's `TensorStridedSliceUpdate` at a time step known only at run time
+left the buffer unwritten. `over_time` therefore runs long loops in blocks
+of about `sqrt(time)` steps: each step writes a row of its block's buffer,
+each block is written into the whole buffer at once, `2 * time**1.5` rows
+copied per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import tensorflow as tf
+
+# Loops of up to this many steps write straight into their buffers: the
+# blocks' inner loops cost more than they save there (measured on one
+# buffer: 1.1 ms straight against 1.5 ms in blocks over 32 steps, 13.3
+# against 5.5 ms over 128).
+_LONGEST_UNBLOCKED = 48
+
+
+def time_buffer(steps: Any, row: tf.Tensor) -> tf.Tensor:
+    """Zeros of shape `(steps, *row.shape)`."""
+    if isinstance(steps, int):
+        return tf.zeros([steps, *row.shape], row.dtype)
+    return tf.zeros(tf.concat([[steps], tf.shape(row)], 0), row.dtype)
+
+
+def written(buffer: tf.Tensor, t: Any, value: tf.Tensor, steps: Any) -> tf.Tensor:
+    """`buffer` (time first, zero at time step `t`) with `value` at `t`: a
+    scatter of one row, which DTensor lays out with the row's layout, or,
+    where the number of time steps is unknown when traced, a sum against a
+    one-hot of `t` (see `read`)."""
+    if buffer.shape[0] is not None:
+        return tf.tensor_scatter_nd_add(buffer, tf.reshape(t, [1, 1]), tf.expand_dims(value, 0))
+    one_hot = tf.one_hot(t, steps, dtype=value.dtype)
+    return buffer + tf.reshape(one_hot, [-1] + [1] * value.shape.rank) * tf.expand_dims(value, 0)
+
+
+def read(buffer: tf.Tensor, t: Any, steps: Any) -> tf.Tensor:
+    """Time step `t` of `buffer` (time first).
+
+    A slice of static size, where the number of time steps is known when
+    traced: DTensor's `StridedSlice` refuses an index known only at run time,
+    and its `Slice` lays out one of unknown size wrongly. Where it is not
+    known, a sum against a one-hot of `t`, O(time) work per read: with slices
+    and scatters there, DTensor stops on the gradient of a reversed sequence
+    ("Reshape ... value shape is not static").
+    """
+    t = tf.math.floormod(t, steps)
+    row = buffer.shape[1:]
+    if buffer.shape[0] is not None:
+        begin = tf.concat([tf.reshape(t, [1]), tf.zeros([row.rank], t.dtype)], 0)
+        return tf.reshape(tf.slice(buffer, begin, [1, *row.as_list()]), row)
+    shape = [-1] + [1] * row.rank
+    if buffer.dtype == tf.bool:
+        return tf.reduce_any(tf.logical_and(buffer, tf.reshape(tf.one_hot(t, steps, True, False), shape)), 0)
+    return tf.reduce_sum(buffer * tf.reshape(tf.one_hot(t, steps, dtype=buffer.dtype), shape), 0)
+
+
+def over_time(
+    start: int,
+    stop: Any,
+    body: Callable[[Any, Any], tuple[Any, list[tf.Tensor]]],
+    carry: Any,
+    buffers: list[tf.Tensor],
+    reverse: bool = False,
+) -> tuple[Any, list[tf.Tensor]]:
+    """Runs `carry, rows = body(t, carry)` for `t` in `range(start, stop)`
+    (from `stop - 1` down with `reverse`), writing `rows[i]` at time step `t`
+    of `buffers[i]` (time first, `stop` steps, zero where written); returns
+    the last carry and the buffers. In blocks where `stop` is known when
+    traced and over `_LONGEST_UNBLOCKED` (see the module's note)."""
+    size = _block_size(stop - start) if isinstance(stop, int) else None
+    if size is None:
+        def step(t, carry, buffers):
+            carry, rows = body(t, carry)
+            buffers = [written(b, t, r, stop) for b, r in zip(buffers, rows)]
+            return (t - 1 if reverse else t + 1), carry, buffers
+
+        first = tf.convert_to_tensor(stop - 1 if reverse else start)
+        _, carry, buffers = tf.while_loop(
+            (lambda t, *_: t >= start) if reverse else (lambda t, *_: t < stop), step, (first, carry, buffers)
+        )
+        return carry, buffers
+    blocks = -(-(stop - start) // size)
+    padded = start + blocks * size
+    if padded > stop:
+        buffers = [tf.concat([b, tf.zeros([padded - stop, *b.shape[1:]], b.dtype)], 0) for b in buffers]
+
+    def block(b, carry, buffers):
+        # DTensor refuses a loop that starts from (or reads) the enclosing
+        # loop's variables themselves ("Block argument must be enclosed by a
+        # function"): the inner loop starts from copies, and counts the time
+        # step as well as the step in the block (TensorFlow would pass a
+        # loop variable that never changes as a read of the outer one's).
+        def step(k, t, carry, rows_so_far):
+            carry, rows = body(t, carry)
+            rows_so_far = [written(s, k, r, size) for s, r in zip(rows_so_far, rows)]
+            delta = -1 if reverse else 1
+            return k + delta, t + delta, carry, rows_so_far
+
+        first_t = start + b * size
+        carry = tf.nest.map_structure(tf.identity, carry)
+        empty = [tf.zeros([size, *buffer.shape[1:]], buffer.dtype) for buffer in buffers]
+        if reverse:  # the last block may end past `stop`
+            first_k = tf.minimum(size - 1, stop - 1 - first_t)
+            _, _, carry, in_block = tf.while_loop(
+                lambda k, t, *_: k >= 0, step, (first_k, first_t + first_k, carry, empty)
+            )
+        else:
+            _, _, carry, in_block = tf.while_loop(
+                lambda k, t, *_: tf.logical_and(k < size, t < stop), step, (tf.constant(0), first_t, carry, empty)
+            )
+        at = tf.reshape(first_t + tf.range(size), [size, 1])
+        buffers = [tf.tensor_scatter_nd_add(whole, at, rows) for whole, rows in zip(buffers, in_block)]
+        return (b - 1 if reverse else b + 1), carry, buffers
+
+    first = tf.constant(blocks - 1 if reverse else 0)
+    _, carry, buffers = tf.while_loop(
+        (lambda b, *_: b >= 0) if reverse else (lambda b, *_: b < blocks), block, (first, carry, buffers)
+    )
+    if padded > stop:
+        buffers = [b[:stop] for b in buffers]
+    return carry, buffers
+
+
+def _block_size(steps: int) -> int | None:
+    """Steps per block for a loop of `steps` steps: `ceil(sqrt(steps))`,
+    which copies fewest rows, or None to write straight into the buffers."""
+    if steps <= _LONGEST_UNBLOCKED:
+        return None
+    return math.isqrt(steps - 1) + 1
