@@ -321,21 +321,28 @@ def test_lstm_and_gru_split_on_gate_units_run_gate_by_gate(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "build,layout_map,mesh_shape",
+    "build,layout_map,mesh_shape,collectives_in_loops",
     [
-        (lambda: build_two_layer(keras.layers.GRU), rules(GRU_GATES), (8, 1)),
-        (build_gate_wise, lambda mesh: "auto", (2, 4)),
+        (lambda: build_two_layer(keras.layers.GRU), rules(GRU_GATES), (8, 1), 0),
+        (lambda: build_two_layer(keras.layers.LSTM), rules(LSTM_GATES), (8, 1), 0),
+        # The gate-wise steps' 3 per layer, and per layer one gather of the
+        # forward loop's carry as each block's loop starts.
+        (build_gate_wise, lambda mesh: "auto", (2, 4), 3 * 3 + 3),
     ],
-    ids=["gru-8x1", "gate_wise-2x4"],
+    ids=["gru-8x1", "lstm-8x1", "gate_wise-2x4"],
 )
-def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shape, monkeypatch):
+def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shape, collectives_in_loops, monkeypatch):
     """Loops in blocks on a mesh (`tfmp.lowering.time_steps`, here from 6
     time steps on: two blocks of 3 steps after the first, the second one
     short): GRUs over a split batch, whose backward loop also writes what
     flows into each step for the weights' gradient after it, and gate-wise
     GRUs (one backwards) and an LSTM with their gate units split over
-    "model". Masked sequences, 17 rows at batch 8 (a last batch of 1, traced
-    with an unknown batch and so unrolled)."""
+    "model". The weights' gradients stay partial sums over "batch" through
+    the blocks (no all-reduce in the loops but the gate-wise steps' own, as
+    in `test_lstm_and_gru_split_on_gate_units_run_gate_by_gate`): carried
+    into a block's loop, DTensor all-reduced an LSTM's in every step.
+    Masked sequences, 17 rows at batch 8 (a last batch of 1, traced with an
+    unknown batch and so unrolled)."""
     sizes = []
     block_size = time_steps_module._block_size
     monkeypatch.setattr(time_steps_module, "_LONGEST_UNBLOCKED", 0)
@@ -344,8 +351,11 @@ def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shap
     tokens = rng.integers(1, 10, size=(17, SEQ * 2)).astype("int32")
     tokens[::3, 4:] = 0
     y = rng.normal(size=(17, 2)).astype("float32")
-    assert_parity(build, layout_map, tokens, y, mesh_shape=mesh_shape, steps=3, batch_size=8)
+    model = assert_parity(build, layout_map, tokens, y, mesh_shape=mesh_shape, steps=3, batch_size=8)
     assert 3 in sizes
+    collectives = tfmp.comm_report(model, print_fn=lambda text: None).collectives
+    in_loops = [c.op for c in collectives if "while/" in c.op]
+    assert len(in_loops) == collectives_in_loops, in_loops
 
 
 @pytest.mark.parametrize("layer", [keras.layers.GRU, _gru_with_dropout], ids=["gru", "gru_dropout"])

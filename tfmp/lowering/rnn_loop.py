@@ -106,9 +106,9 @@ def looped_rnn(
         def forward(t, carry):
             previous, states = carry
             output, new_states = cell([read(x, t, steps) for x in xs], states, previous, mask_at(t), step_constants)
-            return (output, new_states), [output, *states]
+            return (output, new_states), [output, *states], []
 
-        (last, final_states), (outputs, *entering) = over_time(
+        (last, final_states), (outputs, *entering), _ = over_time(
             1, steps, forward, (first, states1), [outputs, *entering]
         )
         results = (outputs, last, *final_states)
@@ -179,32 +179,22 @@ def looped_rnn(
 
         def backward(d_outputs, d_last, *d_final_states):
             def step(t, carry):
-                d_output, d_states, d_constants, d_variables = carry
+                d_output, d_states = carry
                 d_output = d_output + read(d_outputs, t, steps)
                 upstream = [d_output, *d_states] if all_at_once else []
                 d_inputs, d_states, d_previous, d_step_constants, d_step_variables = step_gradients(
                     t, d_output, d_states, per_step_variables
                 )
-                carry = (
-                    d_previous,
-                    d_states,
-                    [a + b for a, b in zip(d_constants, d_step_constants)],
-                    [a + b for a, b in zip(d_variables, d_step_variables)],
-                )
-                return carry, d_inputs + upstream
+                return (d_previous, d_states), d_inputs + upstream, d_step_constants + d_step_variables
 
-            carry = (
-                d_last,
-                list(d_final_states),
-                [tf.zeros_like(c) for c in step_constants],
-                [tf.zeros_like(v) for v in per_step_variables],
-            )
             buffers = [tf.zeros_like(x) for x in xs]
             if all_at_once:
                 buffers += [tf.zeros_like(buffer) for buffer in [outputs, *entering]]
-            (d_output, d_states, d_constants, d_variables), buffers = over_time(
-                1, steps, step, carry, buffers, reverse=True
+            sums = [tf.zeros_like(c) for c in step_constants] + [tf.zeros_like(v) for v in per_step_variables]
+            (d_output, d_states), buffers, sums = over_time(
+                1, steps, step, (d_last, list(d_final_states)), buffers, sums, reverse=True
             )
+            d_constants, d_variables = sums[: len(step_constants)], sums[len(step_constants) :]
             d_xs, upstream = buffers[:n_in], buffers[n_in:]
             d_output = d_output + read(d_outputs, 0, steps)
             d_inputs, d_states0, _, d_step_constants, d_step_variables = step_gradients(
