@@ -115,7 +115,8 @@ def test_long_recurrences_run_in_blocks_as_keras_loop(time_steps, go_backwards, 
     sizes = []
     block_size = time_steps_module._block_size
     monkeypatch.setattr(time_steps_module, "_LONGEST_UNBLOCKED", 0)
-    monkeypatch.setattr(time_steps_module, "_block_size", lambda steps: sizes.append(block_size(steps)) or sizes[-1])
+    monkeypatch.setattr(time_steps_module, "_FEWEST_BYTES_BLOCKED", 0)
+    monkeypatch.setattr(time_steps_module, "_block_size", lambda *size: sizes.append(block_size(*size)) or sizes[-1])
     rng = np.random.default_rng(1)
     x = tf.constant(rng.normal(size=(3, time_steps, 2)), tf.float64)
     mask = tf.constant(rng.random((3, time_steps)) > 0.3)
@@ -160,10 +161,11 @@ def _loops(graph: tf.Graph) -> int:
     return sum(op.type in ("While", "StatelessWhile") for op in graph.get_operations())
 
 
-def test_recurrence_is_one_loop_whatever_its_length():
+def test_recurrence_is_one_loop_whatever_its_length(monkeypatch):
     """The traced step and its gradient do not grow with the sequence: two
-    loops (forward, and backward in the gradient) of one step each, or over
-    48 time steps two loops of blocks of steps."""
+    loops (forward, and backward in the gradient) of one step each, or, over
+    32 time steps (here whatever the rows' bytes), two loops of blocks."""
+    monkeypatch.setattr(time_steps_module, "_FEWEST_BYTES_BLOCKED", 0)
 
     sizes = {
         steps: len(_traced_gradient(rnn_lowering.rnn, steps, _elman).get_operations()) for steps in (4, 32, 128, 512)
@@ -346,7 +348,8 @@ def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shap
     sizes = []
     block_size = time_steps_module._block_size
     monkeypatch.setattr(time_steps_module, "_LONGEST_UNBLOCKED", 0)
-    monkeypatch.setattr(time_steps_module, "_block_size", lambda steps: sizes.append(block_size(steps)) or sizes[-1])
+    monkeypatch.setattr(time_steps_module, "_FEWEST_BYTES_BLOCKED", 0)
+    monkeypatch.setattr(time_steps_module, "_block_size", lambda *size: sizes.append(block_size(*size)) or sizes[-1])
     rng = np.random.default_rng(9)
     tokens = rng.integers(1, 10, size=(17, SEQ * 2)).astype("int32")
     tokens[::3, 4:] = 0

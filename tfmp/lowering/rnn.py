@@ -28,13 +28,14 @@ from typing import Any, Callable, NoReturn
 
 import keras
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 from tensorflow.python.ops import tensor_array_ops
 from keras.src import tree
 from keras.src.backend.common.name_scope import current_path
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.tensorflow.core import convert_to_tensor
 
-from tfmp.forward import forward_mesh
+from tfmp.forward import batch_spec, forward_mesh
 from tfmp.integrations import Patch
 from tfmp.lowering.registry import Lowering, keras_original
 from tfmp.lowering.rnn_gates import gate_split_axis, gate_wise_recurrence, units_whole
@@ -118,6 +119,7 @@ def rnn(
         return_all_outputs,
         row_wise_cells=cells,
         devices=getattr(forward_mesh(), "size", 1),
+        batch_shards=_batch_shards(first_input.shape[1 if time_major else 0]),
     )
     if looped is not None and gate_wise is not None:
         last_output, outputs, states = looped
@@ -233,6 +235,13 @@ def _static_cuts(length: int | None, indices_or_sections: Any) -> list[int] | No
         return [int(i) for i in indices_or_sections]
     except TypeError:  # symbolic indices
         return None
+
+
+def _batch_shards(batch: int | None) -> int:
+    """The devices a recurrence's batch of `batch` rows is split over."""
+    mesh = forward_mesh()
+    axis = None if mesh is None else batch_spec(tf.TensorSpec([batch]), mesh, None)
+    return 1 if axis in (None, dtensor.UNSHARDED) else mesh.dim_size(axis)
 
 
 def _reversed(x: tf.Tensor, axis: int) -> tf.Tensor:

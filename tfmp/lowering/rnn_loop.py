@@ -51,6 +51,7 @@ def looped_rnn(
     return_all_outputs: bool,
     row_wise_cells: list | None = None,
     devices: int = 1,
+    batch_shards: int = 1,
 ) -> tuple[tf.Tensor, tf.Tensor, Any] | None:
     """Keras' `backend.rnn` (forward in time) as a loop, or None where the
     step cannot be run again in the gradient (see the module's note).
@@ -58,7 +59,7 @@ def looped_rnn(
     `row_wise_cells`: the step's cells where each computes every row of a
     batch on its own (Keras' own cells): on a mesh of `devices` > 1, the
     weights' gradient is then taken over all time steps at once, after the
-    backward loop."""
+    backward loop. `batch_shards`: the devices the batch is split over."""
     flat_inputs = [_time_major(tf.convert_to_tensor(x), time_major) for x in tree.flatten(inputs)]
     flat_states = [tf.convert_to_tensor(s) for s in tree.flatten(tuple(initial_states))]
     constants = [tf.convert_to_tensor(c) for c in constants]
@@ -109,7 +110,7 @@ def looped_rnn(
             return (output, new_states), [output, *states], []
 
         (last, final_states), (outputs, *entering), _ = over_time(
-            1, steps, forward, (first, states1), [outputs, *entering]
+            1, steps, forward, (first, states1), [outputs, *entering], batch_shards=batch_shards
         )
         results = (outputs, last, *final_states)
 
@@ -192,7 +193,7 @@ def looped_rnn(
                 buffers += [tf.zeros_like(buffer) for buffer in [outputs, *entering]]
             sums = [tf.zeros_like(c) for c in step_constants] + [tf.zeros_like(v) for v in per_step_variables]
             (d_output, d_states), buffers, sums = over_time(
-                1, steps, step, (d_last, list(d_final_states)), buffers, sums, reverse=True
+                1, steps, step, (d_last, list(d_final_states)), buffers, sums, reverse=True, batch_shards=batch_shards
             )
             d_constants, d_variables = sums[: len(step_constants)], sums[len(step_constants) :]
             d_xs, upstream = buffers[:n_in], buffers[n_in:]

@@ -24,11 +24,16 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-# Loops of up to this many steps write straight into their buffers: the
-# blocks' inner loops cost more than they save there (measured on one
-# buffer: 1.1 ms straight against 1.5 ms in blocks over 32 steps, 13.3
-# against 5.5 ms over 128).
-_LONGEST_UNBLOCKED = 48
+# A loop writes in blocks where it is over this many steps long and each
+# step would copy this many bytes of one buffer on a device: below that, the
+# blocks' own loops cost more than the copies they save. Measured on CPU
+# (bench/against_checkout.py, 2 cores, the zoo's 2-layer LSTM of 64 units,
+# batch 32): on one device, 26 ms a step written straight against 29 ms in
+# blocks over 32 steps (rows of 8 KiB), 60 against 52 ms over 64; over 128
+# steps, 0.51x on one device (1 MiB a step), 0.93x on 2x4 (the batch split
+# in 2: 512 KiB) and 1.10x on 8x1 (128 KiB).
+_LONGEST_UNBLOCKED = 32
+_FEWEST_BYTES_BLOCKED = 512 * 1024
 
 
 def time_buffer(steps: Any, row: tf.Tensor) -> tf.Tensor:
@@ -78,20 +83,24 @@ def over_time(
     buffers: list[tf.Tensor],
     sums: list[tf.Tensor] = (),
     reverse: bool = False,
+    batch_shards: int = 1,
 ) -> tuple[Any, list[tf.Tensor], list[tf.Tensor]]:
     """Runs `carry, rows, addends = body(t, carry)` for `t` in
     `range(start, stop)` (from `stop - 1` down with `reverse`), writing
     `rows[i]` at time step `t` of `buffers[i]` (time first, `stop` steps,
     zero where written) and adding `addends[i]` to `sums[i]`; returns the
     last carry, the buffers and the sums. In blocks where `stop` is known
-    when traced and over `_LONGEST_UNBLOCKED` (see the module's note).
+    when traced and the straight writes would copy enough (see the module's
+    note and `_FEWEST_BYTES_BLOCKED`), the buffers' rows split over
+    `batch_shards` devices.
 
     A sum over a split batch (a weight's gradient) stays a partial sum on
     each device through a loop, all-reduced once after it; a block's loop
     starts its own sums from zeros for the same reason (carried into it,
     DTensor all-reduced them at every step: a 2-layer LSTM on 8x1 over 128
     time steps stepped 6.8x as long)."""
-    size = _block_size(stop - start) if isinstance(stop, int) else None
+    row_bytes = max((b.shape[1:].num_elements() or 0) * b.dtype.size for b in buffers) if buffers else 0
+    size = _block_size(stop - start, row_bytes // batch_shards) if isinstance(stop, int) else None
     delta = -1 if reverse else 1
     if size is None:
         def step(t, carry, buffers, sums):
@@ -159,9 +168,10 @@ def _in_blocks(
     return carry, buffers, sums
 
 
-def _block_size(steps: int) -> int | None:
-    """Steps per block for a loop of `steps` steps: `ceil(sqrt(steps))`,
-    which copies fewest rows, or None to write straight into the buffers."""
-    if steps <= _LONGEST_UNBLOCKED:
+def _block_size(steps: int, row_bytes: int) -> int | None:
+    """Steps per block for a loop of `steps` steps writing rows of
+    `row_bytes` on a device: `ceil(sqrt(steps))`, which copies fewest rows,
+    or None to write straight into the buffers."""
+    if steps <= _LONGEST_UNBLOCKED or steps * row_bytes < _FEWEST_BYTES_BLOCKED:
         return None
     return math.isqrt(steps - 1) + 1
