@@ -337,13 +337,14 @@ def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shap
     """Loops in blocks on a mesh (`tfmp.lowering.time_steps`, here from 6
     time steps on: two blocks of 3 steps after the first, the second one
     short): GRUs over a split batch, whose backward loop also writes what
-    flows into each step for the weights' gradient after it, and gate-wise
-    GRUs (one backwards) and an LSTM with their gate units split over
-    "model". The weights' gradients stay partial sums over "batch" through
-    the blocks (no all-reduce in the loops but the gate-wise steps' own, as
-    in `test_lstm_and_gru_split_on_gate_units_run_gate_by_gate`): carried
-    into a block's loop, DTensor all-reduced an LSTM's in every step.
-    Masked sequences, 17 rows at batch 8 (a last batch of 1, traced with an
+    flows into each step for the weights' gradient after it; LSTMs, whose
+    backward loop sums that gradient; gate-wise GRUs (one backwards) and an
+    LSTM with their gate units split over "model". The weights' gradients
+    stay partial sums over "batch" through the blocks (no all-reduce in the
+    loops but the gate-wise steps' own, as in
+    `test_lstm_and_gru_split_on_gate_units_run_gate_by_gate`): carried into
+    a block's loop, DTensor all-reduced an LSTM's in every step. Masked
+    sequences, 17 rows at batch 8 (a last batch of 1, traced with an
     unknown batch and so unrolled)."""
     sizes = []
     block_size = time_steps_module._block_size

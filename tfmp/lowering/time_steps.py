@@ -5,9 +5,9 @@ A loop over time on a mesh keeps what each step gives in a tensor of shape
 TensorFlow's `TensorScatterAdd` copies its whole input for every write (its
 kernel offers the *updates'* buffer to the output, never the input's), so a
 loop writing one row per step copies `time` rows per step: `time**2` rows per
-sequence, which made a 2-layer LSTM over 128 tokens 3.7x slower than Keras'
-own loop on one device, and over 512 tokens a single buffer's writes took
-165 ms against 21 ms written in blocks. Ops that would write in place
+sequence: on a one-device mesh a 2-layer LSTM over 128 tokens stepped 3.7x
+as long as in Keras' own loop, and a bare loop writing one buffer over 512
+steps took 165 ms against 21 ms in blocks. Ops that would write in place
 (`InplaceUpdate`, `ScatterNdNonAliasingAdd`) have no DTensor layout rule, and
 DTensor's `TensorStridedSliceUpdate` at a time step known only at run time
 left the buffer unwritten. `over_time` therefore runs long loops in blocks
@@ -26,12 +26,12 @@ import tensorflow as tf
 
 # A loop writes in blocks where it is over this many steps long and each
 # step would copy this many bytes of one buffer on a device: below that, the
-# blocks' own loops cost more than the copies they save. Measured on CPU
-# (bench/against_checkout.py, 2 cores, the zoo's 2-layer LSTM of 64 units,
-# batch 32): on one device, 26 ms a step written straight against 29 ms in
-# blocks over 32 steps (rows of 8 KiB), 60 against 52 ms over 64; over 128
-# steps, 0.51x on one device (1 MiB a step), 0.93x on 2x4 (the batch split
-# in 2: 512 KiB) and 1.10x on 8x1 (128 KiB).
+# blocks' own loops cost more than the copies they save. Measured on CPU (2
+# cores; a 2-layer LSTM of 64 units, batch 32; docs/performance.md): on one
+# device 26 ms a step written straight against 29 ms in blocks over 32
+# steps (rows of 8 KiB), 60 against 52 ms over 64; over 128 steps, blocks
+# took 0.51x as long on one device (1 MiB a step), 0.93x on 2x4 (the batch
+# split in 2: 512 KiB) and 1.10x on 8x1 (128 KiB).
 _LONGEST_UNBLOCKED = 32
 _FEWEST_BYTES_BLOCKED = 512 * 1024
 
@@ -116,10 +116,11 @@ def over_time(
         )
         return carry, buffers, sums
     # As a function of its own, as the recurrences' gradient already is:
-    # traced inline in a training step, DTensor exported a block's loop twice
-    # under one name for a masked LSTM ("Cannot add function
-    # '.../while/while_body' because a different function with the same name
-    # already exists").
+    # while this was built, the blocks traced inline in a training step made
+    # DTensor export a masked LSTM's block loop twice under one name ("Cannot
+    # add function '.../while/while_body' because a different function with
+    # the same name already exists"), every time; as a function they ran.
+    # With the code as it is now, inline ran too; the cause was not found.
     in_blocks = functools.partial(_in_blocks, start, stop, size, body, reverse)
     return tf.function(in_blocks, autograph=False)(carry, buffers, list(sums))
 
