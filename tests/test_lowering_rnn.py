@@ -104,19 +104,26 @@ def test_rnn_matches_keras_loop(go_backwards, masked, zero_output_for_mask, retu
         np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("go_backwards", [False, True], ids=["forward", "backwards"])
-@pytest.mark.parametrize("time_steps", [5, 8], ids=["whole_blocks", "short_last_block"])
-def test_long_recurrences_run_in_blocks_as_keras_loop(time_steps, go_backwards, monkeypatch):
-    """A long loop runs in blocks of about sqrt(time) steps
-    (`tfmp.lowering.time_steps`), here from 5 and 8 time steps on: blocks of
-    2 and 3 steps after the first, the last block of 8 steps one step
-    short. Masked sequences off a mesh against Keras' loop, outputs and
-    gradients, in float64 to 1e-12 as `test_rnn_matches_keras_loop`."""
+@pytest.fixture
+def block_sizes(monkeypatch) -> list:
+    """Loops of any length, whatever their rows' bytes, run in blocks
+    (`tfmp.lowering.time_steps`); the block sizes taken, one per loop."""
     sizes = []
     block_size = time_steps_module._block_size
     monkeypatch.setattr(time_steps_module, "_LONGEST_UNBLOCKED", 0)
     monkeypatch.setattr(time_steps_module, "_FEWEST_BYTES_BLOCKED", 0)
     monkeypatch.setattr(time_steps_module, "_block_size", lambda *size: sizes.append(block_size(*size)) or sizes[-1])
+    return sizes
+
+
+@pytest.mark.parametrize("go_backwards", [False, True], ids=["forward", "backwards"])
+@pytest.mark.parametrize("time_steps", [5, 8], ids=["whole_blocks", "short_last_block"])
+def test_long_recurrences_run_in_blocks_as_keras_loop(time_steps, go_backwards, block_sizes):
+    """A long loop runs in blocks of about sqrt(time) steps
+    (`tfmp.lowering.time_steps`), here from 5 and 8 time steps on: blocks of
+    2 and 3 steps after the first, the last block of 8 steps one step
+    short. Masked sequences off a mesh against Keras' loop, outputs and
+    gradients, in float64 to 1e-12 as `test_rnn_matches_keras_loop`."""
     rng = np.random.default_rng(1)
     x = tf.constant(rng.normal(size=(3, time_steps, 2)), tf.float64)
     mask = tf.constant(rng.random((3, time_steps)) > 0.3)
@@ -137,7 +144,7 @@ def test_long_recurrences_run_in_blocks_as_keras_loop(time_steps, go_backwards, 
 
     want, want_gradients = run(importlib.import_module("keras.src.backend.tensorflow.rnn").rnn)
     got, got_gradients = run(rnn_lowering.rnn)
-    assert sizes == [{5: 2, 8: 3}[time_steps]] * 2  # forward and backward
+    assert block_sizes == [{5: 2, 8: 3}[time_steps]] * 2  # forward and backward
     for expected, actual in zip(want + want_gradients, got + got_gradients, strict=True):
         np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=1e-12)
 
@@ -333,7 +340,7 @@ def test_lstm_and_gru_split_on_gate_units_run_gate_by_gate(monkeypatch):
     ],
     ids=["gru-8x1", "lstm-8x1", "gate_wise-2x4"],
 )
-def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shape, collectives_in_loops, monkeypatch):
+def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shape, collectives_in_loops, block_sizes):
     """Loops in blocks on a mesh (`tfmp.lowering.time_steps`, here from 6
     time steps on: two blocks of 3 steps after the first, the second one
     short): GRUs over a split batch, whose backward loop also writes what
@@ -346,17 +353,12 @@ def test_long_sequences_run_in_blocks_as_one_device(build, layout_map, mesh_shap
     a block's loop, DTensor all-reduced an LSTM's in every step. Masked
     sequences, 17 rows at batch 8 (a last batch of 1, traced with an
     unknown batch and so unrolled)."""
-    sizes = []
-    block_size = time_steps_module._block_size
-    monkeypatch.setattr(time_steps_module, "_LONGEST_UNBLOCKED", 0)
-    monkeypatch.setattr(time_steps_module, "_FEWEST_BYTES_BLOCKED", 0)
-    monkeypatch.setattr(time_steps_module, "_block_size", lambda *size: sizes.append(block_size(*size)) or sizes[-1])
     rng = np.random.default_rng(9)
     tokens = rng.integers(1, 10, size=(17, SEQ * 2)).astype("int32")
     tokens[::3, 4:] = 0
     y = rng.normal(size=(17, 2)).astype("float32")
     model = assert_parity(build, layout_map, tokens, y, mesh_shape=mesh_shape, steps=3, batch_size=8)
-    assert 3 in sizes
+    assert 3 in block_sizes
     collectives = tfmp.comm_report(model, print_fn=lambda text: None).collectives
     in_loops = [c.op for c in collectives if "while/" in c.op]
     assert len(in_loops) == collectives_in_loops, in_loops

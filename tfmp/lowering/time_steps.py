@@ -4,8 +4,8 @@ A loop over time on a mesh keeps what each step gives in a tensor of shape
 `(time, batch, ...)`, written one row per step with ops DTensor lays out.
 TensorFlow's `TensorScatterAdd` copies its whole input for every write (its
 kernel offers the *updates'* buffer to the output, never the input's), so a
-loop writing one row per step copies `time` rows per step: `time**2` rows per
-sequence: on a one-device mesh a 2-layer LSTM over 128 tokens stepped 3.7x
+loop writing one row per step copies `time` rows per step, `time**2` per
+sequence. On a one-device mesh a 2-layer LSTM over 128 tokens stepped 3.7x
 as long as in Keras' own loop, and a bare loop writing one buffer over 512
 steps took 165 ms against 21 ms in blocks. Ops that would write in place
 (`InplaceUpdate`, `ScatterNdNonAliasingAdd`) have no DTensor layout rule, and
