@@ -25,13 +25,13 @@ from typing import Any, Callable
 import tensorflow as tf
 
 # A loop writes in blocks where it is over this many steps long and each
-# step would copy this many bytes of one buffer on a device: below that, the
-# blocks' own loops cost more than the copies they save. Measured on CPU (2
-# cores; a 2-layer LSTM of 64 units, batch 32; docs/performance.md): on one
-# device 26 ms a step written straight against 29 ms in blocks over 32
-# steps (rows of 8 KiB), 60 against 52 ms over 64; over 128 steps, blocks
-# took 0.51x as long on one device (1 MiB a step), 0.93x on 2x4 (the batch
-# split in 2: 512 KiB) and 1.10x on 8x1 (128 KiB).
+# straight write would copy a buffer of at least this many bytes on a
+# device (`time` rows): below that, the blocks' own loops cost more than
+# the copies they save. Measured on CPU (2 cores; a 2-layer LSTM of 64
+# units, batch 32; docs/performance.md): over 128 steps, blocks took 0.51x
+# as long on one device (buffers of 1 MiB), 0.93x on 2x4 (the batch split
+# in 2: 512 KiB), 1.10x on 8x1 (128 KiB); on one device 52 against 60 ms
+# over 64 steps (512 KiB), 29 against 26 ms over 32 (256 KiB).
 _LONGEST_UNBLOCKED = 32
 _FEWEST_BYTES_BLOCKED = 512 * 1024
 
@@ -99,8 +99,10 @@ def over_time(
     starts its own sums from zeros for the same reason (carried into it,
     DTensor all-reduced them at every step: a 2-layer LSTM on 8x1 over 128
     time steps stepped 6.8x as long)."""
-    row_bytes = max((b.shape[1:].num_elements() or 0) * b.dtype.size for b in buffers) if buffers else 0
-    size = _block_size(stop - start, row_bytes // batch_shards) if isinstance(stop, int) else None
+    size = None
+    if isinstance(stop, int):
+        largest = max((b.shape.num_elements() or 0) * b.dtype.size for b in buffers) if buffers else 0
+        size = _block_size(stop - start, largest // batch_shards)
     delta = -1 if reverse else 1
     if size is None:
         def step(t, carry, buffers, sums):
@@ -169,10 +171,10 @@ def _in_blocks(
     return carry, buffers, sums
 
 
-def _block_size(steps: int, row_bytes: int) -> int | None:
-    """Steps per block for a loop of `steps` steps writing rows of
-    `row_bytes` on a device: `ceil(sqrt(steps))`, which copies fewest rows,
-    or None to write straight into the buffers."""
-    if steps <= _LONGEST_UNBLOCKED or steps * row_bytes < _FEWEST_BYTES_BLOCKED:
+def _block_size(steps: int, buffer_bytes: int) -> int | None:
+    """Steps per block for a loop of `steps` steps whose straight writes
+    copy a buffer of `buffer_bytes` on a device each: `ceil(sqrt(steps))`,
+    which copies fewest rows, or None to write straight into the buffers."""
+    if steps <= _LONGEST_UNBLOCKED or buffer_bytes < _FEWEST_BYTES_BLOCKED:
         return None
     return math.isqrt(steps - 1) + 1
