@@ -91,8 +91,8 @@ def over_time(
     zero where written) and adding `addends[i]` to `sums[i]`; returns the
     last carry, the buffers and the sums. In blocks where `stop` is known
     when traced and the straight writes would copy enough (see the module's
-    note and `_FEWEST_BYTES_BLOCKED`), the buffers' rows split over
-    `batch_shards` devices.
+    note and `_FEWEST_BYTES_BLOCKED`); `batch_shards` is the number of
+    devices the buffers' batch is split over.
 
     A sum over a split batch (a weight's gradient) stays a partial sum on
     each device through a loop, all-reduced once after it; a block's loop
