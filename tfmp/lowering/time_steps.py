@@ -154,11 +154,13 @@ def _in_blocks(
         zeros = [tf.zeros(s.shape, s.dtype) for s in sums]
         if reverse:  # the last block may end past `stop`
             first_k = tf.minimum(size - 1, stop - 1 - first_t)
-            loop = (lambda k, t, *_: k >= 0), (first_k, first_t + first_k)
+            first_t = first_t + first_k
+            in_this_block = lambda k, t, *_: k >= 0  # noqa: E731
         else:
-            loop = (lambda k, t, *_: tf.logical_and(k < size, t < stop)), (tf.constant(0), first_t)
-        _, _, carry, in_block, block_sums = tf.while_loop(loop[0], step, (*loop[1], carry, empty, zeros))
-        at = tf.reshape(first_t + tf.range(size), [size, 1])
+            first_k = tf.constant(0)
+            in_this_block = lambda k, t, *_: tf.logical_and(k < size, t < stop)  # noqa: E731
+        _, _, carry, in_block, block_sums = tf.while_loop(in_this_block, step, (first_k, first_t, carry, empty, zeros))
+        at = tf.reshape(start + b * size + tf.range(size), [size, 1])
         buffers = [tf.tensor_scatter_nd_add(whole, at, rows) for whole, rows in zip(buffers, in_block)]
         return b + delta, carry, buffers, [s + a for s, a in zip(sums, block_sums)]
 
